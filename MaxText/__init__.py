@@ -1,0 +1,1 @@
+"""MaxText: a simple, scalable LLM training framework in JAX."""

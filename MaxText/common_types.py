@@ -1,0 +1,34 @@
+"""Names shared by the config validation (pure Python) and the modules that implement them.
+
+Each implementing module has a test asserting that its table covers exactly these names.
+"""
+
+DECODER_BLOCKS = ("default", "llama2")
+ATTENTION_KERNELS = ("autoselected", "dot_product", "flash")
+REMAT_POLICIES = (
+  "full",
+  "minimal",
+  "save_dot_except_mlpwi",
+  "save_dot_except_mlp",
+  "save_qkv_proj",
+  "save_out_proj",
+  "minimal_flash",
+  "none",
+)
+MLP_ACTIVATIONS = ("silu", "swish", "gelu", "relu", "tanh", "sigmoid", "linear")
+DTYPES = ("float32", "bfloat16", "float16")
+DATASET_TYPES = ("embedded", "synthetic")
+OPTIMIZERS = ("adamw",)
+HARDWARE = ("auto", "cpu", "gpu", "gpu_multiprocess", "tpu")
+
+# The ici_/dcn_ parallelism keys of each mesh axis (mesh axis "stage" is set by *_pipeline_parallelism).
+MESH_AXIS_KEY = {
+  "data": "data",
+  "stage": "pipeline",
+  "fsdp": "fsdp",
+  "fsdp_transpose": "fsdp_transpose",
+  "sequence": "sequence",
+  "tensor": "tensor",
+  "expert": "expert",
+  "autoregressive": "autoregressive",
+}

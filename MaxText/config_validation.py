@@ -1,0 +1,153 @@
+"""Checks on config values that need no devices. Each failure names the key, the value and what is valid."""
+
+import math
+
+from MaxText import common_types
+from MaxText.errors import ConfigError
+
+_CHOICES = {
+  "decoder_block": common_types.DECODER_BLOCKS,
+  "attention": common_types.ATTENTION_KERNELS,
+  "remat_policy": common_types.REMAT_POLICIES,
+  "dtype": common_types.DTYPES,
+  "weight_dtype": common_types.DTYPES,
+  "dataset_type": common_types.DATASET_TYPES,
+  "opt_type": common_types.OPTIMIZERS,
+  "hardware": common_types.HARDWARE,
+}
+
+_POSITIVE_INTS = (
+  "base_emb_dim",
+  "base_num_query_heads",
+  "base_num_kv_heads",
+  "base_mlp_dim",
+  "base_num_decoder_layers",
+  "head_dim",
+  "vocab_size",
+  "max_target_length",
+  "gradient_accumulation_steps",
+  "log_period",
+  "rope_min_timescale",
+  "rope_max_timescale",
+)
+
+# key -> (low, high, low_inclusive, high_inclusive)
+_RANGES = {
+  "per_device_batch_size": (0.0, math.inf, False, True),
+  "learning_rate": (0.0, math.inf, True, True),
+  "adam_b1": (0.0, 1.0, True, False),
+  "adam_b2": (0.0, 1.0, True, False),
+  "adam_eps": (0.0, math.inf, True, True),
+  "adam_eps_root": (0.0, math.inf, True, True),
+  "adam_weight_decay": (0.0, math.inf, True, True),
+  "gradient_clipping_threshold": (0.0, math.inf, True, True),
+  "warmup_steps_fraction": (0.0, 1.0, True, True),
+  "cosine_learning_rate_final_fraction": (0.0, 1.0, True, True),
+  "dropout_rate": (0.0, 1.0, True, False),
+  "normalization_layer_epsilon": (0.0, math.inf, False, True),
+}
+
+
+def _describe_range(low, high, low_inc, high_inc) -> str:
+  left = ">=" if low_inc else ">"
+  if high == math.inf:
+    return f"{left} {low:g}"
+  return f"in {'[' if low_inc else '('}{low:g}, {high:g}{']' if high_inc else ')'}"
+
+
+def _check_choices(v):
+  for key, valid in _CHOICES.items():
+    if v[key] not in valid:
+      raise ConfigError(f"{key}={v[key]} is not valid; choose one of: {', '.join(valid)}")
+
+
+def _check_numbers(v):
+  for key in _POSITIVE_INTS:
+    if v[key] <= 0:
+      raise ConfigError(f"{key}={v[key]} must be a positive integer")
+  for key, (low, high, low_inc, high_inc) in _RANGES.items():
+    x = v[key]
+    ok = (x >= low if low_inc else x > low) and (x <= high if high_inc else x < high)
+    if not ok or math.isnan(x):
+      raise ConfigError(f"{key}={x} must be {_describe_range(low, high, low_inc, high_inc)}")
+  scale = v["global_parameter_scale"]
+  if scale < 1 or scale & (scale - 1):
+    raise ConfigError(f"global_parameter_scale={scale} must be a power of 2 (1, 2, 4, 8, ...)")
+  if v["base_num_query_heads"] % v["base_num_kv_heads"]:
+    raise ConfigError(
+      f"base_num_query_heads={v['base_num_query_heads']} must be a multiple of "
+      f"base_num_kv_heads={v['base_num_kv_heads']} (grouped-query attention)"
+    )
+  if v["steps"] <= 0 and v["steps"] != -1:
+    raise ConfigError(f"steps={v['steps']} must be positive (or -1 for learning_rate_schedule_steps)")
+  if v["learning_rate_schedule_steps"] <= 0 and v["learning_rate_schedule_steps"] != -1:
+    raise ConfigError(f"learning_rate_schedule_steps={v['learning_rate_schedule_steps']} must be positive (or -1 for steps)")
+  if v["steps"] == -1 and v["learning_rate_schedule_steps"] == -1:
+    raise ConfigError("steps=-1 needs a positive learning_rate_schedule_steps")
+  if v["param_scan_axis"] not in (0, 1):
+    raise ConfigError(f"param_scan_axis={v['param_scan_axis']} must be 0 or 1")
+  if v["reuse_example_batch"] not in (0, 1):
+    raise ConfigError(f"reuse_example_batch={v['reuse_example_batch']} must be 0 or 1")
+  if v["rope_min_timescale"] > v["rope_max_timescale"]:
+    raise ConfigError(
+      f"rope_min_timescale={v['rope_min_timescale']} must not exceed rope_max_timescale={v['rope_max_timescale']}"
+    )
+
+
+def _check_activations(v):
+  acts = v["mlp_activations"]
+  if not acts or not all(isinstance(a, str) for a in acts):
+    raise ConfigError(f"mlp_activations={acts} must be a non-empty list of names, e.g. [silu,linear]")
+  for a in acts:
+    if a not in common_types.MLP_ACTIVATIONS:
+      raise ConfigError(f"mlp_activations has unknown activation '{a}'; valid: {', '.join(common_types.MLP_ACTIVATIONS)}")
+
+
+def _check_mesh(v):
+  axes = v["mesh_axes"]
+  for axis in axes:
+    if axis not in common_types.MESH_AXIS_KEY:
+      raise ConfigError(f"mesh_axes has unknown axis '{axis}'; valid: {', '.join(common_types.MESH_AXIS_KEY)}")
+  if len(set(axes)) != len(axes):
+    raise ConfigError(f"mesh_axes={axes} names an axis twice")
+  for prefix in ("ici", "dcn"):
+    fills = []
+    for axis in axes:
+      key = f"{prefix}_{common_types.MESH_AXIS_KEY[axis]}_parallelism"
+      if v[key] == -1:
+        fills.append(key)
+      elif v[key] < 1:
+        raise ConfigError(f"{key}={v[key]} must be a positive integer, or -1 to fill the remaining devices")
+    if len(fills) > 1:
+      raise ConfigError(f"only one {prefix}_*_parallelism may be -1, got {', '.join(fills)}")
+  if v["ici_pipeline_parallelism"] > 1 or v["dcn_pipeline_parallelism"] > 1:
+    raise ConfigError(
+      "ici_pipeline_parallelism/dcn_pipeline_parallelism > 1: pipeline parallelism is not implemented yet; use 1"
+    )
+  sharding = v["data_sharding"]
+  if not (isinstance(sharding, list) and len(sharding) == 1 and isinstance(sharding[0], list)):
+    raise ConfigError(f"data_sharding={sharding} must be a list holding one list of mesh axes, e.g. [[data, fsdp]]")
+  for axis in sharding[0]:
+    if axis not in axes:
+      raise ConfigError(f"data_sharding names '{axis}', which is not in mesh_axes ({', '.join(axes)})")
+  for rule in v["logical_axis_rules"]:
+    if not (isinstance(rule, (list, tuple)) and len(rule) == 2 and isinstance(rule[0], str)):
+      raise ConfigError(f"logical_axis_rules entry {rule} must be [logical_name, mesh_axis or [mesh_axes]]")
+    targets = rule[1] if isinstance(rule[1], (list, tuple)) else [rule[1]]
+    for axis in targets:
+      if axis is not None and axis not in axes:
+        raise ConfigError(f"logical_axis_rules maps '{rule[0]}' to '{axis}', which is not in mesh_axes ({', '.join(axes)})")
+
+
+def _check_paths(v):
+  if not str(v["base_output_directory"]).strip():
+    raise ConfigError("base_output_directory is empty; give a local directory or a gs:// path")
+
+
+def validate_static(values: dict) -> None:
+  """Raises ConfigError for the first invalid value. Needs no devices and no JAX."""
+  _check_choices(values)
+  _check_numbers(values)
+  _check_activations(values)
+  _check_mesh(values)
+  _check_paths(values)

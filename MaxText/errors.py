@@ -1,0 +1,24 @@
+"""Errors that mean "the user asked for something wrong", as opposed to bugs.
+
+Entry points catch `UserError` and print its message as one line with a non-zero exit, without a
+traceback. Anything else is a bug and keeps its traceback.
+"""
+
+
+class UserError(Exception):
+  """A mistake in the user's input (config, CLI flags, data files, checkpoints)."""
+
+
+class ConfigError(UserError):
+  """An invalid configuration value. The message names the key, the value and what would be valid."""
+
+
+def run_and_exit_on_user_error(main, argv) -> None:
+  """Runs an entry point's main(argv); a UserError becomes one line on stderr and exit status 2."""
+  import sys  # pylint: disable=import-outside-toplevel
+
+  try:
+    main(argv)
+  except UserError as e:
+    print(f"Error: {e}", file=sys.stderr, flush=True)
+    sys.exit(2)

@@ -1,0 +1,1 @@
+"""Input pipelines: every dataset_type yields the same dict of global (batch, length) arrays."""

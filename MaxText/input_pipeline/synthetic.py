@@ -1,0 +1,46 @@
+"""dataset_type=synthetic: random tokens made on the devices, for speed tests with no input pipeline cost."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from MaxText import sharding
+
+
+def _synthetic_batch(step, *, seed: int, shape: tuple[int, int], vocab_size: int) -> dict:
+  tokens = jax.random.randint(jax.random.fold_in(jax.random.PRNGKey(seed), step), (shape[0], shape[1] + 1), 0, vocab_size)
+  positions = jnp.broadcast_to(jnp.arange(shape[1], dtype=jnp.int32), shape)
+  ones = jnp.ones(shape, jnp.int32)
+  return {
+    "inputs": tokens[:, :-1],
+    "inputs_position": positions,
+    "inputs_segmentation": ones,
+    "targets": tokens[:, 1:],
+    "targets_position": positions,
+    "targets_segmentation": ones,
+  }
+
+
+class SyntheticDataIterator:
+  """Batch k is a deterministic function of (data_shuffle_seed, k); its state is just k."""
+
+  def __init__(self, config, mesh):
+    shape = (config.global_batch_size_to_load, config.max_target_length)
+    make = functools.partial(_synthetic_batch, seed=config.data_shuffle_seed, shape=shape, vocab_size=config.vocab_size)
+    self._make = jax.jit(make, out_shardings=sharding.data_sharding(config, mesh))
+    self._step = 0
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict:
+    batch = self._make(self._step)
+    self._step += 1
+    return batch
+
+  def get_state(self) -> dict:
+    return {"step": self._step}
+
+  def set_state(self, state: dict) -> None:
+    self._step = int(state["step"])

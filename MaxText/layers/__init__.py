@@ -1,0 +1,1 @@
+"""Flax layers of the decoder: shared blocks, family blocks and the decoder stack."""

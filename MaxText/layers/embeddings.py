@@ -1,0 +1,46 @@
+"""Token embedding (shared with tied logits) and rotary position embedding."""
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from MaxText.layers import initializers
+
+
+class Embed(nn.Module):
+  """A [vocab, embed] table; `attend` reuses it as the output projection for tied logits."""
+
+  num_embeddings: int
+  features: int
+  dtype: str = "float32"
+  weight_dtype: str = "float32"
+
+  def setup(self):
+    self.embedding = self.param(
+      "embedding",
+      nn.with_logical_partitioning(initializers.token_embedding_init, ("vocab", "embed")),
+      (self.num_embeddings, self.features),
+      self.weight_dtype,
+    )
+
+  def __call__(self, token_ids):
+    y = jnp.take(self.embedding, token_ids, axis=0).astype(self.dtype)  # (B, T, E)
+    return nn.with_logical_constraint(y, ("activation_embed_and_logits_batch", "activation_length", "activation_embed"))
+
+  def attend(self, x):
+    return jnp.einsum("bte,ve->btv", x, self.embedding.astype(self.dtype))
+
+
+def apply_rotary_embedding(x, positions, min_timescale: float, max_timescale: float):
+  """RoPE in the split-halves convention: x = [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin].
+
+  Args:
+    x: (B, T, N, D) queries or keys.
+    positions: (B, T) integer positions (restarting at 0 in each packed segment).
+  """
+  head_dim = x.shape[-1]
+  fraction = 2 * jnp.arange(head_dim // 2, dtype=jnp.float32) / head_dim
+  timescale = min_timescale * (max_timescale / min_timescale) ** fraction  # (D/2,)
+  angles = positions[:, :, None, None].astype(jnp.float32) / timescale  # (B, T, 1, D/2)
+  sin, cos = jnp.sin(angles), jnp.cos(angles)
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)

@@ -1,0 +1,80 @@
+"""Dense projections over several axes, and the gated MLP block."""
+
+import functools
+import operator
+from collections.abc import Sequence
+
+import flax.linen as nn
+import jax.numpy as jnp
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+from MaxText.layers import initializers
+
+ACTIVATIONS = {
+  "silu": nn.silu,
+  "swish": nn.swish,
+  "gelu": nn.gelu,
+  "relu": nn.relu,
+  "tanh": jnp.tanh,
+  "sigmoid": nn.sigmoid,
+  "linear": lambda x: x,
+}
+
+
+def _canonical_axes(axes, ndim: int) -> tuple[int, ...]:
+  axes = (axes,) if isinstance(axes, int) else tuple(axes)
+  return tuple(a % ndim for a in axes)
+
+
+class DenseGeneral(nn.Module):
+  """A projection contracting `axis` of the input into `features` (an int or a tuple of output dims).
+
+  The kernel has shape input_dims[axis] + features and carries the logical axis names `kernel_axes`.
+  """
+
+  features: int | Sequence[int]
+  kernel_axes: Sequence[str]
+  axis: int | Sequence[int] = -1
+  dtype: str = "float32"
+  weight_dtype: str = "float32"
+  kernel_init: callable = initializers.default_kernel_init
+
+  @nn.compact
+  def __call__(self, inputs):
+    features = (self.features,) if isinstance(self.features, int) else tuple(self.features)
+    axis = _canonical_axes(self.axis, inputs.ndim)
+    kernel_in = tuple(inputs.shape[a] for a in axis)
+    kernel_shape = kernel_in + features
+    in_axes = tuple(range(len(kernel_in)))
+    out_axes = tuple(range(len(kernel_in), len(kernel_shape)))
+    init = functools.partial(self.kernel_init, in_axis=in_axes, out_axis=out_axes)
+    kernel = self.param(
+      "kernel", nn.with_logical_partitioning(init, tuple(self.kernel_axes)), kernel_shape, self.weight_dtype
+    )
+    inputs = inputs.astype(self.dtype)
+    kernel = kernel.astype(self.dtype)
+    return lax.dot_general(inputs, kernel, ((axis, in_axes), ((), ())))
+
+
+class MlpBlock(nn.Module):
+  """Gated MLP: wo(prod_i act_i(wi_i x)); one activation gives a plain MLP with a single `wi`."""
+
+  intermediate_dim: int
+  activations: Sequence[str]
+  dropout_rate: float = 0.0
+  dtype: str = "float32"
+  weight_dtype: str = "float32"
+
+  @nn.compact
+  def __call__(self, x, deterministic: bool):
+    dense = functools.partial(DenseGeneral, dtype=self.dtype, weight_dtype=self.weight_dtype)
+    branches = []
+    for i, act in enumerate(self.activations):
+      name = "wi" if len(self.activations) == 1 else f"wi_{i}"
+      h = checkpoint_name(dense(self.intermediate_dim, ("embed", "mlp"), name=name)(x), "mlpwi")
+      branches.append(ACTIVATIONS[act](h))
+    h = functools.reduce(operator.mul, branches)  # (B, T, M)
+    h = nn.with_logical_constraint(h, ("activation_batch", "activation_length", "activation_mlp"))
+    h = nn.Dropout(self.dropout_rate, broadcast_dims=(-2,))(h, deterministic=deterministic)
+    return checkpoint_name(dense(x.shape[-1], ("mlp", "embed"), name="wo")(h), "mlpwo")

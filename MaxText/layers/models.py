@@ -1,0 +1,115 @@
+"""The decoder stack, written once for every family: embed -> (scanned, rematted) blocks -> norm -> logits."""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from MaxText.layers import block_parts
+from MaxText.layers.default_block import DecoderLayer
+from MaxText.layers.embeddings import Embed
+from MaxText.layers.linears import DenseGeneral
+from MaxText.layers.llama2 import LlamaDecoderLayer
+
+DECODER_BLOCKS = {
+  "default": DecoderLayer,
+  "llama2": LlamaDecoderLayer,
+}
+
+_cp = jax.checkpoint_policies
+_QKV = ("query_proj", "value_proj", "key_proj", "qkv_proj")
+# What the backward pass may keep; everything else is recomputed. "none" turns remat off.
+REMAT_POLICIES = {
+  "full": None,
+  "minimal": _cp.checkpoint_dots_with_no_batch_dims,
+  "save_dot_except_mlpwi": _cp.save_only_these_names(*_QKV, "out_proj", "mlpwo"),
+  "save_dot_except_mlp": _cp.save_only_these_names(*_QKV, "out_proj"),
+  "save_qkv_proj": _cp.save_only_these_names(*_QKV),
+  "save_out_proj": _cp.save_only_these_names("out_proj"),
+  "minimal_flash": _cp.save_from_both_policies(_cp.checkpoint_dots_with_no_batch_dims, _cp.save_only_these_names("context")),
+  "none": None,
+}
+
+
+@functools.cache
+def _scannable(block_cls):
+  """The block with nn.scan's (carry, out) signature; params keep the block's own names."""
+
+  class Scanned(block_cls):
+    def __call__(self, x, *args):
+      return super().__call__(x, *args), None
+
+  Scanned.__name__ = block_cls.__name__
+  return Scanned
+
+
+class Decoder(nn.Module):
+  """Embeds tokens, runs num_decoder_layers blocks of `config.decoder_block`, and returns float32 logits."""
+
+  config: object
+  shared_embedding: nn.Module
+
+  def _block_stack(self):
+    cfg = self.config
+    block = DECODER_BLOCKS[cfg.decoder_block]
+    if cfg.scan_layers:
+      block = _scannable(block)
+    if cfg.remat_policy != "none":
+      # Args are (self, x, segment_ids, positions, deterministic): `deterministic` is a Python bool.
+      block = nn.remat(block, prevent_cse=not cfg.scan_layers, policy=REMAT_POLICIES[cfg.remat_policy], static_argnums=(4,))
+    return block
+
+  @nn.compact
+  def __call__(self, tokens, positions, segment_ids, deterministic: bool):
+    cfg = self.config
+    y = self.shared_embedding(tokens)  # (B, T, E)
+    y = block_parts.dropout(cfg)(y, deterministic=deterministic)
+    block = self._block_stack()
+    if cfg.scan_layers:
+      stack = nn.scan(
+        block,
+        variable_axes={"params": cfg.param_scan_axis},
+        split_rngs={"params": True, "dropout": True},
+        in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+        length=cfg.num_decoder_layers,
+        metadata_params={nn.PARTITION_NAME: "layers"},
+      )
+      y, _ = stack(config=cfg, name="layers")(y, segment_ids, positions, deterministic)
+    else:
+      for i in range(cfg.num_decoder_layers):
+        y = block(config=cfg, name=f"layers_{i}")(y, segment_ids, positions, deterministic)
+    y = block_parts.rms_norm(cfg, "decoder_norm")(y)
+    y = block_parts.dropout(cfg)(y, deterministic=deterministic)
+    if cfg.logits_via_embedding:
+      logits = self.shared_embedding.attend(y)
+      if cfg.normalize_embedding_logits:
+        logits = logits / jnp.sqrt(y.shape[-1])
+    else:
+      logits_dtype = "float32" if cfg.logits_dot_in_fp32 else cfg.dtype
+      logits = DenseGeneral(
+        cfg.vocab_size, ("embed", "vocab"), dtype=logits_dtype, weight_dtype=cfg.weight_dtype, name="logits_dense"
+      )(y)
+    logits = nn.with_logical_constraint(
+      logits, ("activation_embed_and_logits_batch", "activation_length", "activation_vocab")
+    )
+    return logits.astype(jnp.float32)  # (B, T, V)
+
+
+class Transformer(nn.Module):
+  """The decoder-only LM. Param tree: token_embedder/embedding, decoder/{layers or layers_i, decoder_norm, logits_dense}."""
+
+  config: object
+
+  def setup(self):
+    cfg = self.config
+    self.token_embedder = Embed(
+      cfg.vocab_size, cfg.emb_dim, dtype=cfg.dtype, weight_dtype=cfg.weight_dtype, name="token_embedder"
+    )
+    self.decoder = Decoder(config=cfg, shared_embedding=self.token_embedder, name="decoder")
+
+  def __call__(self, tokens, positions, segment_ids=None, enable_dropout: bool = False):
+    """Args: tokens, positions, segment_ids: (B, T) int arrays (segment_ids None = one segment per row)."""
+    if segment_ids is None:
+      segment_ids = jnp.ones_like(tokens)
+    return self.decoder(tokens, positions, segment_ids, deterministic=not enable_dropout)

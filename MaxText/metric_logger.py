@@ -1,0 +1,136 @@
+"""Per-step metrics: the console line, TensorBoard scalars and the JSON-lines metrics file.
+
+Metrics are double-buffered: step N's device values are read on the host only after step N+1 has been
+dispatched, so logging never leaves the device idle.
+"""
+
+import datetime
+import json
+import os
+import time
+
+import jax
+import numpy as np
+from etils import epath
+
+from MaxText import flops as flops_lib
+from MaxText import max_logging
+
+_TENSORBOARD_FLUSH_SECONDS = 30
+
+
+def _format_eta(seconds: float) -> str:
+  return str(datetime.timedelta(seconds=int(round(seconds))))
+
+
+class MetricLogger:
+  """Writes one console line, one set of TensorBoard scalars and one metrics_file line per completed step."""
+
+  def __init__(self, config, start_step: int, writer=None):
+    self.config = config
+    self.writer = writer
+    self.step_flops = flops_lib.training_tflops_per_device(config)
+    self.tokens_per_step = flops_lib.tokens_per_device_per_step(config)
+    self.peak_tflops = flops_lib.peak_tflops_per_device(jax.devices()[0].device_kind)
+    self._pending = None  # (step, device metrics) of the last dispatched step
+    self._last_completion = time.time()
+    self._last_tb_flush = time.time()
+    self._recent_step_times = []
+    self._steps_written = 0
+    self._metrics_file = None
+    if config.metrics_file and jax.process_index() == 0:
+      os.makedirs(os.path.dirname(os.path.abspath(config.metrics_file)), exist_ok=True)
+      self._metrics_file = open(config.metrics_file, "a" if start_step > 0 else "w", encoding="utf-8")
+
+  def reset_step_timer(self) -> None:
+    """Restarts the step clock (e.g. after a blocking checkpoint save or eval, which is not step time)."""
+    self._last_completion = time.time()
+
+  def record(self, step: int, metrics) -> None:
+    """Buffers `metrics` (device arrays) of `step` and writes the previously buffered step."""
+    previous, self._pending = self._pending, (step, metrics)
+    if previous is not None:
+      self._write(*previous)
+
+  def flush(self) -> None:
+    """Writes the buffered step now (end of training, before a checkpoint or eval)."""
+    if self._pending is not None:
+      pending, self._pending = self._pending, None
+      self._write(*pending)
+    if self.writer is not None:
+      self.writer.flush()
+
+  def _perf_metrics(self, seconds: float) -> dict:
+    tflops_per_sec = self.step_flops.total_tflops / seconds
+    perf = {
+      "perf/step_time_seconds": seconds,
+      "perf/per_device_tflops": self.step_flops.total_tflops,
+      "perf/per_device_tflops_per_sec": tflops_per_sec,
+      "perf/per_device_tokens": self.tokens_per_step,
+      "perf/per_device_tokens_per_sec": self.tokens_per_step / seconds,
+    }
+    if self.peak_tflops:
+      perf["perf/mfu"] = tflops_per_sec / self.peak_tflops
+    return perf
+
+  def _eta_seconds(self, step: int) -> float | None:
+    if not self._recent_step_times:
+      return None
+    return float(np.median(self._recent_step_times)) * (self.config.steps - 1 - step)
+
+  def _write(self, step: int, device_metrics) -> None:
+    host = {k: float(v) for k, v in jax.device_get(device_metrics).items()}  # blocks on this step only
+    now = time.time()
+    seconds = max(now - self._last_completion, 1e-9)
+    self._last_completion = now
+    if self._steps_written:  # The first step of a run includes compilation: keep it out of the ETA.
+      self._recent_step_times = (self._recent_step_times + [seconds])[-20:]
+    self._steps_written += 1
+    host.update(self._perf_metrics(seconds))
+    self._log_line(step, host)
+    self._write_tensorboard(step, host)
+    if self._metrics_file is not None:
+      self._metrics_file.write(json.dumps({"step": float(step), "run_name": self.config.run_name, **host}) + "\n")
+      self._metrics_file.flush()
+
+  def _log_line(self, step: int, m: dict) -> None:
+    line = (
+      f"completed step: {step}, seconds: {m['perf/step_time_seconds']:.3f}, "
+      f"TFLOP/s/device: {m['perf/per_device_tflops_per_sec']:.3f}, "
+      f"Tokens/s/device: {m['perf/per_device_tokens_per_sec']:.3f}, "
+      f"total_weights: {int(m['learning/total_weights'])}, loss: {m['learning/loss']:.3f}, "
+      f"lr: {m['learning/current_learning_rate']:.3e}, grad_norm: {m['learning/grad_norm']:.3f}"
+    )
+    if "perf/mfu" in m:
+      line += f", MFU: {100 * m['perf/mfu']:.2f}%"
+    eta = self._eta_seconds(step)
+    if eta is not None:
+      line += f", ETA: {_format_eta(eta)}"
+    max_logging.log(line)
+
+  def _write_tensorboard(self, step: int, m: dict) -> None:
+    if self.writer is None:
+      return
+    for name, value in m.items():
+      self.writer.add_scalar(name, value, step)
+    if (step + 1) % self.config.log_period == 0 or time.time() - self._last_tb_flush > _TENSORBOARD_FLUSH_SECONDS:
+      self.writer.flush()
+      self._last_tb_flush = time.time()
+
+  def close(self) -> None:
+    self.flush()
+    if self._metrics_file is not None:
+      self._metrics_file.close()
+      self._metrics_file = None
+    if self.writer is not None:
+      self.writer.close()
+
+
+def create_tensorboard_writer(config):
+  """A tensorboardX writer under config.tensorboard_dir on process 0 (None elsewhere or when disabled)."""
+  if not config.enable_tensorboard or jax.process_index() != 0:
+    return None
+  from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+
+  epath.Path(config.tensorboard_dir).mkdir(parents=True, exist_ok=True)
+  return SummaryWriter(logdir=config.tensorboard_dir, flush_secs=_TENSORBOARD_FLUSH_SECONDS)

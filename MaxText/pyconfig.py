@@ -1,0 +1,230 @@
+"""The one validated, frozen config that every module reads.
+
+    config = pyconfig.initialize(["train.py", "MaxText/configs/base.yml", "run_name=x", "steps=10"])
+    config.emb_dim, config.global_batch_size_to_train_on, config.source("steps")
+
+Order: YAML (with base_config parents) < model preset < M_<KEY> environment < command line < kwargs.
+Static checks run before JAX is imported; then the devices are looked up (initialising jax.distributed
+when a cluster environment asks for it) to fill -1 parallelism values and the global batch sizes.
+"""
+
+import math
+import os
+
+import yaml
+
+from MaxText import common_types, config_loader, config_validation
+from MaxText.errors import ConfigError
+
+SOURCE_DERIVED = "derived"
+
+
+class Config:
+  """Read-only mapping of config keys, accessed as attributes (`config.steps`)."""
+
+  def __init__(self, values: dict, sources: dict):
+    object.__setattr__(self, "_values", dict(values))
+    object.__setattr__(self, "_sources", dict(sources))
+
+  def __getattr__(self, key):
+    try:
+      return self._values[key]
+    except KeyError:
+      raise AttributeError(f"config has no key '{key}'") from None
+
+  def __setattr__(self, key, value):
+    raise AttributeError(f"config is frozen; set '{key}' on the command line or in the YAML instead")
+
+  def __contains__(self, key):
+    return key in self._values
+
+  def get_keys(self) -> dict:
+    return dict(self._values)
+
+  def source(self, key: str) -> str:
+    """Where a value came from: a YAML file, a model preset, the command line, the environment or derived."""
+    return self._sources.get(key, SOURCE_DERIVED)
+
+  def to_yaml(self) -> str:
+    """The resolved config, each line annotated with the source of its value."""
+    lines = []
+    for key in sorted(self._values):
+      value = _plain(self._values[key])
+      text = yaml.safe_dump({key: value}, default_flow_style=True, width=10_000).strip()
+      text = text[1:-1] if text.startswith("{") else text
+      lines.append(f"{text}  # {self.source(key)}")
+    return "\n".join(lines) + "\n"
+
+
+def _plain(value):
+  """Tuples to lists, so that the resolved config reads back as the YAML it came from."""
+  if isinstance(value, (list, tuple)):
+    return [_plain(v) for v in value]
+  return value
+
+
+def _set(values, sources, key, value):
+  values[key] = value
+  sources[key] = SOURCE_DERIVED
+
+
+def _is_remote(path: str) -> bool:
+  return "://" in path
+
+
+def _scaled_dims(values, sources):
+  """Splits log2(global_parameter_scale) over heads/mlp, emb and layers, as upstream MaxText does."""
+  log_scale = int(math.log2(values["global_parameter_scale"]))
+  base, rem = divmod(log_scale, 3)
+  head_scale = base + int(rem > 0)
+  emb_scale = base + int(rem > 1)
+  _set(values, sources, "emb_dim", 2**emb_scale * values["base_emb_dim"])
+  _set(values, sources, "num_query_heads", 2**head_scale * values["base_num_query_heads"])
+  _set(values, sources, "num_kv_heads", 2**head_scale * values["base_num_kv_heads"])
+  _set(values, sources, "mlp_dim", 2**head_scale * values["base_mlp_dim"])
+  _set(values, sources, "num_decoder_layers", 2**base * values["base_num_decoder_layers"])
+
+
+def resolve_asset_path(path: str, config_path: str) -> str | None:
+  """Finds a file given relative to the cwd, the MaxText package or the config's directory."""
+  if not path or _is_remote(path):
+    return path
+  candidates = [path]
+  if not os.path.isabs(path):
+    candidates += [
+      os.path.join(config_loader.PACKAGE_DIR, path),
+      os.path.join(os.path.dirname(os.path.abspath(config_path)), path),
+    ]
+  for candidate in candidates:
+    if os.path.isfile(candidate):
+      return os.path.abspath(candidate)
+  return None
+
+
+def _derive_static(values, sources, environ):
+  if not values["run_name"]:
+    _set(values, sources, "run_name", environ.get("JOBSET_NAME", ""))
+  _scaled_dims(values, sources)
+  out = str(values["base_output_directory"])
+  if not _is_remote(out):
+    _set(values, sources, "base_output_directory", os.path.abspath(os.path.expanduser(out)))
+  run_dir = os.path.join(values["base_output_directory"], values["run_name"]) if values["run_name"] else ""
+  for key, sub in (
+    ("run_dir", ""),
+    ("tensorboard_dir", "tensorboard"),
+    ("checkpoint_dir", "checkpoints"),
+    ("metrics_dir", "metrics"),
+  ):
+    _set(values, sources, key, os.path.join(run_dir, sub) if run_dir and sub else run_dir)
+  if values["learning_rate_schedule_steps"] == -1:
+    _set(values, sources, "learning_rate_schedule_steps", values["steps"])
+  if values["steps"] == -1:
+    _set(values, sources, "steps", values["learning_rate_schedule_steps"])
+  if values["jax_cache_dir"] and not _is_remote(values["jax_cache_dir"]):
+    _set(values, sources, "jax_cache_dir", os.path.expanduser(values["jax_cache_dir"]))
+  if values["dataset_type"] != "synthetic":
+    found = resolve_asset_path(values["tokenizer_path"], values["config_path"])
+    if found is None:
+      raise ConfigError(
+        f"tokenizer_path={values['tokenizer_path']} does not exist (tried the cwd, {config_loader.PACKAGE_DIR} "
+        "and the config's directory)"
+      )
+    _set(values, sources, "tokenizer_path", found)
+  _set(values, sources, "mesh_axes", tuple(values["mesh_axes"]))
+  _set(values, sources, "data_sharding", tuple(tuple(axes) for axes in values["data_sharding"]))
+  rules = tuple((name, tuple(a) if isinstance(a, (list, tuple)) else a) for name, a in values["logical_axis_rules"])
+  _set(values, sources, "logical_axis_rules", rules)
+  _set(values, sources, "mlp_activations", tuple(values["mlp_activations"]))
+
+
+def _fill_parallelism(values, prefix: str, total: int, what: str) -> list[int]:
+  """The per-mesh-axis parallelism of one level (ici or dcn), with its -1 filled so the product is total."""
+  keys = [f"{prefix}_{common_types.MESH_AXIS_KEY[axis]}_parallelism" for axis in values["mesh_axes"]]
+  dims = [values[k] for k in keys]
+  known = math.prod(d for d in dims if d != -1)
+  if -1 in dims:
+    if total % known:
+      fixed = ", ".join(f"{k}={d}" for k, d in zip(keys, dims) if d not in (1, -1)) or "the others"
+      raise ConfigError(
+        f"{keys[dims.index(-1)]}=-1 cannot be filled: {what} {total} is not divisible by {fixed} (product {known})"
+      )
+    dims[dims.index(-1)] = total // known
+  elif known != total:
+    set_keys = ", ".join(f"{k}={d}" for k, d in zip(keys, dims) if d != 1) or f"all {prefix}_*_parallelism=1"
+    raise ConfigError(
+      f"{prefix}_*_parallelism multiply to {known} ({set_keys}) but there are {total} {what}; make the product {total}"
+    )
+  return dims
+
+
+def _derive_device_values(values, sources, devices):
+  """Values that depend on the devices: hardware, attention kernel, mesh shape and global batch sizes."""
+  platform = devices[0].platform.lower()
+  detected = {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
+  if values["hardware"] == "auto":
+    _set(values, sources, "hardware", detected if detected in ("cpu", "gpu", "tpu") else "cpu")
+  if values["attention"] == "autoselected":
+    _set(values, sources, "attention", "flash" if detected == "tpu" else "dot_product")
+  if values["attention"] == "flash" and detected != "tpu":
+    raise ConfigError(
+      f"attention=flash needs a TPU (Pallas splash kernel); this machine has {platform} devices: use dot_product"
+    )
+
+  num_slices = 1 + max(getattr(d, "slice_index", 0) or 0 for d in devices)
+  num_devices = len(devices)
+  _set(values, sources, "num_slices", num_slices)
+  _set(values, sources, "num_devices", num_devices)
+  dcn = _fill_parallelism(values, "dcn", num_slices, "slices") if num_slices > 1 else [1] * len(values["mesh_axes"])
+  ici = _fill_parallelism(values, "ici", num_devices // num_slices, "devices per slice")
+  _set(values, sources, "ici_parallelism", tuple(ici))
+  _set(values, sources, "dcn_parallelism", tuple(dcn))
+
+  pdbs = values["per_device_batch_size"]
+  rows = num_devices * pdbs
+  if abs(rows - round(rows)) > 1e-6:
+    raise ConfigError(
+      f"per_device_batch_size={pdbs} x {num_devices} devices = {rows:g} rows; it must make a whole number of rows"
+    )
+  micro_train = int(round(rows))
+  mesh_shape = dict(zip(values["mesh_axes"], (i * d for i, d in zip(ici, dcn))))
+  batch_shards = math.prod(mesh_shape[a] for a in values["data_sharding"][0])
+  # With fewer rows than batch shards (fractional per_device_batch_size), load one row per device and
+  # train on the first rows only, as upstream MaxText does.
+  micro_load = micro_train if micro_train % batch_shards == 0 or pdbs >= 1 else num_devices
+  if micro_load % batch_shards:
+    raise ConfigError(
+      f"per_device_batch_size={pdbs} gives {micro_load} rows per microbatch, which cannot be split evenly over the "
+      f"{batch_shards} batch shards of data_sharding {list(values['data_sharding'][0])}"
+    )
+  ga = values["gradient_accumulation_steps"]
+  _set(values, sources, "micro_batch_size_to_train_on", micro_train)
+  _set(values, sources, "micro_batch_size_to_load", micro_load)
+  _set(values, sources, "global_batch_size_to_train_on", micro_train * ga)
+  _set(values, sources, "global_batch_size_to_load", micro_load * ga)
+
+
+_REQUIRED_HINTS = {"run_name": "name the run, e.g. run_name=demo (outputs go to base_output_directory/run_name)"}
+
+
+def initialize(argv: list[str], environ=None, required_keys: tuple[str, ...] = (), **kwargs) -> Config:
+  """Loads, validates and derives the config.
+
+  Args:
+    argv: [program, config.yml, key=value, ...], as on the command line.
+    environ: environment for M_<KEY> overrides and cluster detection (default os.environ).
+    required_keys: keys that must not be empty for this entry point (e.g. run_name for training).
+    **kwargs: typed overrides that win over the command line (for tests).
+  """
+  environ = os.environ if environ is None else environ
+  values, sources = config_loader.load_raw_config(argv, environ, kwargs)
+  config_validation.validate_static(values)
+  _derive_static(values, sources, environ)
+  for key in required_keys:
+    if not values[key]:
+      raise ConfigError(f"{key} is empty: {_REQUIRED_HINTS.get(key, 'set it on the command line')}")
+
+  from MaxText import jax_runtime  # pylint: disable=import-outside-toplevel  # JAX only after the cheap checks
+
+  jax_runtime.maybe_initialize_distributed(values["hardware"], environ)
+  _derive_device_values(values, sources, jax_runtime.devices())
+  return Config(values, sources)

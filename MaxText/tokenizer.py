@@ -1,0 +1,89 @@
+"""Tokenizers from local files: SentencePiece models and tiktoken rank files. Nothing is downloaded.
+
+The kind is chosen from the file: a path containing "tiktoken" is a tiktoken rank file (Llama 3 layout),
+anything else must be a SentencePiece model.
+"""
+
+import base64
+import functools
+import os
+
+from MaxText.errors import UserError
+
+
+class SentencePieceTokenizer:
+  """A SentencePiece model file (the shipped assets/tokenizer.default, Llama 2, Mistral, Gemma...)."""
+
+  def __init__(self, path: str, add_bos: bool, add_eos: bool):
+    import sentencepiece  # pylint: disable=import-outside-toplevel
+
+    self._sp = sentencepiece.SentencePieceProcessor()
+    try:
+      self._sp.Load(path)
+    except (OSError, RuntimeError) as e:
+      raise UserError(f"tokenizer_path={path} is not a SentencePiece model ({e})") from None
+    self.add_bos, self.add_eos = add_bos, add_eos
+    self.vocab_size = self._sp.GetPieceSize()
+    self.bos_id, self.eos_id = self._sp.bos_id(), self._sp.eos_id()
+
+  def encode(self, text: str) -> list[int]:
+    ids = self._sp.EncodeAsIds(text)
+    return (
+      ([self.bos_id] if self.add_bos and self.bos_id >= 0 else [])
+      + ids
+      + ([self.eos_id] if self.add_eos and self.eos_id >= 0 else [])
+    )
+
+  def decode(self, ids) -> str:
+    return self._sp.DecodeIds([int(i) for i in ids])
+
+
+# Llama 3 pre-tokenisation pattern and special tokens (256 reserved ids after the ranks).
+_LLAMA3_PATTERN = (
+  r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_NUM_RESERVED_SPECIAL_TOKENS = 256
+
+
+class TikTokenTokenizer:
+  """A tiktoken BPE rank file (`<base64 token> <rank>` per line) with Llama 3's special tokens."""
+
+  def __init__(self, path: str, add_bos: bool, add_eos: bool):
+    import tiktoken  # pylint: disable=import-outside-toplevel
+
+    ranks = {}
+    try:
+      with open(path, "rb") as f:
+        for line in f:
+          if line.strip():
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    except (OSError, ValueError) as e:
+      raise UserError(f"tokenizer_path={path} is not a tiktoken rank file ({e})") from None
+    specials = ["<|begin_of_text|>", "<|end_of_text|>"] + [
+      f"<|reserved_special_token_{i}|>" for i in range(_NUM_RESERVED_SPECIAL_TOKENS - 2)
+    ]
+    special_ids = {tok: len(ranks) + i for i, tok in enumerate(specials)}
+    self._enc = tiktoken.Encoding(
+      os.path.basename(path), pat_str=_LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=special_ids
+    )
+    self.add_bos, self.add_eos = add_bos, add_eos
+    self.vocab_size = len(ranks) + len(specials)
+    self.bos_id, self.eos_id = special_ids["<|begin_of_text|>"], special_ids["<|end_of_text|>"]
+
+  def encode(self, text: str) -> list[int]:
+    ids = self._enc.encode(text, disallowed_special=())
+    return ([self.bos_id] if self.add_bos else []) + ids + ([self.eos_id] if self.add_eos else [])
+
+  def decode(self, ids) -> str:
+    return self._enc.decode([int(i) for i in ids])
+
+
+@functools.cache
+def build_tokenizer(path: str, add_bos: bool = True, add_eos: bool = True):
+  """The tokenizer stored at `path` (a local file), adding BOS/EOS around each encoded text as asked."""
+  if not os.path.isfile(path):
+    raise UserError(f"tokenizer_path={path} does not exist")
+  if "tiktoken" in os.path.basename(path):
+    return TikTokenTokenizer(path, add_bos, add_eos)
+  return SentencePieceTokenizer(path, add_bos, add_eos)

@@ -1,0 +1,79 @@
+"""Trains a decoder LM:  python3 MaxText/train.py MaxText/configs/base.yml run_name=demo [key=value ...]
+
+Builds the mesh, the sharded model and optimizer state, the input pipeline and a jitted train_step from
+one validated config, then logs a line per step (loss, step time, TFLOP/s, tokens/s, MFU) to the
+console, TensorBoard and an optional metrics file.
+"""
+
+import os
+import sys
+
+if __package__ in (None, ""):  # Run as `python3 MaxText/train.py`: import MaxText from this checkout.
+  sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+from MaxText import pyconfig  # pylint: disable=wrong-import-position
+from MaxText.errors import run_and_exit_on_user_error  # pylint: disable=wrong-import-position
+
+
+def _log_run_start(config, state) -> None:
+  import jax  # pylint: disable=import-outside-toplevel
+  from etils import epath  # pylint: disable=import-outside-toplevel
+
+  from MaxText import flops, max_logging  # pylint: disable=import-outside-toplevel
+
+  device = jax.devices()[0]
+  max_logging.log(
+    f"System: jax {jax.__version__}, backend {jax.default_backend()}, {jax.device_count()} x {device.device_kind}, "
+    f"process {jax.process_index()} of {jax.process_count()}"
+  )
+  max_logging.log("Config (value  # source):\n" + config.to_yaml())
+  if jax.process_index() == 0:
+    epath.Path(config.run_dir).mkdir(parents=True, exist_ok=True)
+    (epath.Path(config.run_dir) / "config.yml").write_text(config.to_yaml())
+  num_params = sum(x.size for x in jax.tree.leaves(state.params))
+  max_logging.log(f"Number of parameters: {num_params / 1e9:.6f} billion ({num_params:,})")
+  max_logging.log(flops.describe(flops.training_tflops_per_device(config)))
+
+
+def train_loop(config):
+  """Trains for config.steps steps and returns the final train state."""
+  # pylint: disable=import-outside-toplevel
+  from MaxText import max_logging, metric_logger, optimizers, sharding, train_state, train_step
+  from MaxText.input_pipeline.input_pipeline_interface import create_data_iterator
+  from MaxText.mesh import create_device_mesh
+
+  mesh = create_device_mesh(config)
+  model = train_state.create_model(config)
+  tx = optimizers.create_optimizer(config, optimizers.create_learning_rate_schedule(config))
+  _, state_shardings = train_state.get_abstract_state(model, tx, config, mesh)
+  data_iterator = create_data_iterator(config, mesh)
+  state = train_state.init_train_state(model, tx, config, mesh, state_shardings)
+  start_step = int(state.step)
+  _log_run_start(config, state)
+
+  p_train_step = train_step.jit_train_step(model, config, mesh, state_shardings)
+  logger = metric_logger.MetricLogger(config, start_step, metric_logger.create_tensorboard_writer(config))
+  example_batch = None
+  with sharding.logical_context(mesh, config):
+    for step in range(start_step, config.steps):
+      if example_batch is None or not config.reuse_example_batch:
+        example_batch = next(data_iterator)
+      state, metrics = p_train_step(state, example_batch)
+      logger.record(step, metrics)
+  logger.close()
+  max_logging.log(
+    f"Training finished at step {config.steps - 1}. TensorBoard: tensorboard --logdir={config.tensorboard_dir}"
+  )
+  return state
+
+
+def main(argv: list[str]) -> None:
+  config = pyconfig.initialize(argv, required_keys=("run_name",))
+  from MaxText import jax_runtime  # pylint: disable=import-outside-toplevel
+
+  jax_runtime.enable_compilation_cache(config.jax_cache_dir)
+  train_loop(config)
+
+
+if __name__ == "__main__":
+  run_and_exit_on_user_error(main, sys.argv)

@@ -1,0 +1,116 @@
+"""The loss, train_step and eval_step: pure functions shared by train.py, train_compile.py and benchmarks.
+
+A batch is a dict of (batch, length) int32 arrays: inputs, inputs_position, inputs_segmentation,
+targets, targets_segmentation (segmentation 0 marks padding, which carries no loss).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from MaxText import sharding
+from MaxText.optimizers import create_learning_rate_schedule
+
+
+def _loss_terms(model, config, params, batch, dropout_rng, train: bool):
+  """Summed token cross-entropy and the number of real (non-padding) target tokens."""
+  logits = model.apply(
+    {"params": params},
+    batch["inputs"],
+    batch["inputs_position"],
+    batch["inputs_segmentation"],
+    enable_dropout=train and config.enable_dropout,
+    rngs={"dropout": dropout_rng},
+  )  # (B, T, V) float32
+  xent = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])  # (B, T)
+  weights = (batch["targets_segmentation"] != 0).astype(jnp.float32)
+  return jnp.sum(xent * weights), jnp.sum(weights)
+
+
+def _rows_to_train_on(config, batch):
+  """With a fractional per_device_batch_size, more rows are loaded than trained on: keep the first ones."""
+  rows = config.micro_batch_size_to_train_on * config.gradient_accumulation_steps
+  if rows == config.global_batch_size_to_load:
+    return batch
+  return jax.tree.map(lambda x: x[:rows], batch)
+
+
+def _summed_grads(model, config, params, batch, dropout_rng):
+  """Gradient of the summed loss over all gradient_accumulation_steps microbatches, scanned one at a time.
+
+  Summing per-token losses (not per-microbatch means) makes the result the large batch's gradient.
+  Microbatch i takes rows i, i+G, i+2G, ... so that no row leaves the device it was loaded on.
+  """
+  grad_fn = jax.value_and_grad(_loss_terms, argnums=2, has_aux=True)
+  steps = config.gradient_accumulation_steps
+  if steps == 1:
+    (total_loss, total_weights), grads = grad_fn(model, config, params, batch, dropout_rng, True)
+    return total_loss, total_weights, grads
+
+  def to_microbatches(x):  # (B, T) -> (G, B/G, T)
+    return jnp.swapaxes(x.reshape(x.shape[0] // steps, steps, *x.shape[1:]), 0, 1)
+
+  def accumulate(carry, microbatch_and_index):
+    microbatch, index = microbatch_and_index
+    (loss, weights), grads = grad_fn(model, config, params, microbatch, jax.random.fold_in(dropout_rng, index), True)
+    acc_loss, acc_weights, acc_grads = carry
+    return (acc_loss + loss, acc_weights + weights, jax.tree.map(jnp.add, acc_grads, grads)), None
+
+  zero = jnp.zeros((), jnp.float32)
+  init = (zero, zero, jax.tree.map(jnp.zeros_like, params))
+  microbatches = jax.tree.map(to_microbatches, batch)
+  (total_loss, total_weights, grads), _ = jax.lax.scan(accumulate, init, (microbatches, jnp.arange(steps)))
+  return total_loss, total_weights, grads
+
+
+def train_step(model, config, state, batch):
+  """One optimizer update. Returns (new_state, metrics) with scalar metrics for logging."""
+  batch = _rows_to_train_on(config, batch)
+  dropout_rng = jax.random.fold_in(jax.random.PRNGKey(config.init_weights_seed), state.step)
+  total_loss, total_weights, summed_grads = _summed_grads(model, config, state.params, batch, dropout_rng)
+  denominator = jnp.maximum(total_weights, 1.0)  # An all-padding batch gives zero loss and no update.
+  grads = jax.tree.map(lambda g: g / denominator, summed_grads)
+  new_state = state.apply_gradients(grads=grads)
+
+  raw_grad_norm = optax.global_norm(grads)
+  threshold = config.gradient_clipping_threshold
+  metrics = {
+    "learning/loss": total_loss / denominator,
+    "learning/total_weights": total_weights,
+    "learning/raw_grad_norm": raw_grad_norm,
+    # clip_by_global_norm rescales to exactly the threshold, so the clipped norm needs no second pass.
+    "learning/grad_norm": jnp.minimum(raw_grad_norm, threshold) if threshold > 0 else raw_grad_norm,
+    "learning/param_norm": optax.global_norm(new_state.params),
+    "learning/update_norm": optax.global_norm(jax.tree.map(jnp.subtract, new_state.params, state.params)),
+    "learning/current_learning_rate": create_learning_rate_schedule(config)(state.step),
+  }
+  return new_state, metrics
+
+
+def eval_step(model, config, params, batch):
+  """Summed loss and weights of one eval batch (no dropout, no update)."""
+  total_loss, total_weights = _loss_terms(model, config, params, batch, jax.random.PRNGKey(0), False)
+  return {"evaluation/total_loss": total_loss, "evaluation/total_weights": total_weights}
+
+
+def jit_train_step(model, config, mesh, state_shardings):
+  """train_step jitted with the state donated and kept on its shardings, the batch on the data sharding.
+
+  Call the result inside sharding.logical_context(mesh, config), which tracing needs.
+  """
+  return jax.jit(
+    functools.partial(train_step, model, config),
+    in_shardings=(state_shardings, sharding.data_sharding(config, mesh)),
+    out_shardings=(state_shardings, None),
+    donate_argnums=0,
+  )
+
+
+def jit_eval_step(model, config, mesh, state_shardings):
+  return jax.jit(
+    functools.partial(eval_step, model, config),
+    in_shardings=(state_shardings.params, sharding.data_sharding(config, mesh)),
+    out_shardings=None,
+  )
