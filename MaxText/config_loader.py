@@ -38,8 +38,10 @@ def parse_yaml(text: str, where: str):
   try:
     return yaml.load(text, Loader=_Loader)
   except yaml.YAMLError as e:
-    detail = " ".join(str(e).split())
-    raise ConfigError(f"{where}: not valid YAML ({detail})") from None
+    mark = getattr(e, "problem_mark", None)
+    at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    raise ConfigError(f"{where} is not valid YAML{at}: {problem}") from None
 
 
 def _read_yaml_mapping(path: str) -> dict:
@@ -56,6 +58,8 @@ def _read_yaml_mapping(path: str) -> dict:
 
 def load_config_file(path: str, _seen: tuple = ()) -> tuple[dict, dict]:
   """Loads a YAML config and, recursively, its `base_config:` parents. Returns (values, sources)."""
+  if not os.path.isfile(path):
+    raise ConfigError(f"config file '{path}' does not exist (e.g. MaxText/configs/base.yml)")
   path = os.path.abspath(path)
   if path in _seen:
     raise ConfigError(f"base_config: '{path}' includes itself")

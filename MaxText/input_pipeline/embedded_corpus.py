@@ -47,11 +47,12 @@ def _stdlib_docstrings(stdlib_dir: str) -> list[str]:
 
 @functools.cache
 def documents() -> tuple[str, ...]:
-  """All documents of the corpus, in a fixed order."""
+  """All distinct documents of the corpus, in a fixed order."""
   from pydoc_data import topics  # pylint: disable=import-outside-toplevel
 
   pages = [topics.topics[name] for name in sorted(topics.topics)]
-  return tuple(pages + _stdlib_docstrings(sysconfig.get_paths()["stdlib"]))
+  # dict.fromkeys drops repeated texts (some docstrings are copied between modules) and keeps the order.
+  return tuple(dict.fromkeys(pages + _stdlib_docstrings(sysconfig.get_paths()["stdlib"])))
 
 
 def split_documents(split: str) -> list[str]:

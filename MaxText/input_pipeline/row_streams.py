@@ -3,21 +3,13 @@
 Row j of every global batch is the next packed row of stream j, which holds documents j, j+R, j+2R, ...
 of the (shuffled) dataset, R being the global batch rows. A process builds only the streams of the rows
 it loads, so processes read disjoint documents and the global batch is the same whatever the number of
-processes. Each stream's position is a Grain iterator state, so a restored pipeline resumes exactly.
+processes. Each stream's position is two integers, so a restored pipeline resumes exactly.
 """
 
 import grain
 import numpy as np
 
-# Grain's packed feature names -> the batch keys the model reads.
-_KEYS = {
-  "inputs": "inputs",
-  "inputs_segment_ids": "inputs_segmentation",
-  "inputs_positions": "inputs_position",
-  "targets": "targets",
-  "targets_segment_ids": "targets_segmentation",
-  "targets_positions": "targets_position",
-}
+FEATURES = ("inputs", "targets")
 
 
 def shift_to_inputs_and_targets(token_ids) -> dict:
@@ -26,10 +18,61 @@ def shift_to_inputs_and_targets(token_ids) -> dict:
   return {"inputs": ids[:-1], "targets": ids[1:]}
 
 
-def _packed_stream(examples: grain.MapDataset, seq_len: int) -> grain.IterDataset:
-  """Concatenates documents and cuts rows of seq_len; a document that does not fit continues in the next row."""
-  lengths = {"inputs": seq_len, "targets": seq_len}
-  return grain.experimental.ConcatThenSplitIterDataset(examples.to_iter_dataset(), length_struct=lengths)
+class PackedStream:
+  """Concatenates documents into rows of seq_len; a document that does not fit continues in the next row.
+
+  Each piece of a document in a row is its own segment (ids 1, 2, ... in the row) with positions from 0.
+  The state is (index of the current document, tokens of it already used): exact and JSON-friendly.
+  (Grain's ConcatThenSplitIterDataset does the same packing, but its state does not survive a JSON
+  round trip in grain 0.2.18, so it cannot resume from a checkpoint exactly.)
+  """
+
+  def __init__(self, examples: grain.MapDataset, seq_len: int):
+    self._examples = examples
+    self._seq_len = seq_len
+    self._index, self._offset = 0, 0
+    self._document = None  # cached examples[self._index]
+
+  def _current(self):
+    if self._document is None:
+      self._document = self._examples[self._index]
+    return self._document
+
+  def next_row(self) -> dict:
+    row = {f: np.zeros(self._seq_len, np.int32) for f in FEATURES}
+    segmentation = np.zeros(self._seq_len, np.int32)
+    position = np.zeros(self._seq_len, np.int32)
+    filled, segment = 0, 0
+    while filled < self._seq_len and self._index < len(self._examples):
+      document = self._current()
+      take = min(len(document["inputs"]) - self._offset, self._seq_len - filled)
+      if take > 0:
+        segment += 1
+        for f in FEATURES:
+          row[f][filled : filled + take] = document[f][self._offset : self._offset + take]
+        segmentation[filled : filled + take] = segment
+        position[filled : filled + take] = np.arange(take)
+        filled += take
+        self._offset += take
+      if self._offset >= len(document["inputs"]):
+        self._index, self._offset, self._document = self._index + 1, 0, None
+    if filled == 0:
+      raise StopIteration
+    # A finite stream's last row is padded: segmentation 0 carries no loss.
+    return {
+      "inputs": row["inputs"],
+      "inputs_position": position,
+      "inputs_segmentation": segmentation,
+      "targets": row["targets"],
+      "targets_position": position,
+      "targets_segmentation": segmentation,
+    }
+
+  def get_state(self) -> dict:
+    return {"index": self._index, "offset": self._offset}
+
+  def set_state(self, state: dict) -> None:
+    self._index, self._offset, self._document = int(state["index"]), int(state["offset"]), None
 
 
 class RowStreamBatcher:
@@ -42,20 +85,20 @@ class RowStreamBatcher:
     row_range: [start, stop) rows that this process loads.
     seq_len: length of every row.
     """
-    self._iterators = [iter(_packed_stream(examples[row::num_rows], seq_len)) for row in range(*row_range)]
+    self._streams = [PackedStream(examples[row::num_rows], seq_len) for row in range(*row_range)]
 
   def __iter__(self):
     return self
 
   def __next__(self) -> dict:
-    rows = [next(it) for it in self._iterators]
-    return {ours: np.stack([row[theirs] for row in rows]).astype(np.int32) for theirs, ours in _KEYS.items()}
+    rows = [stream.next_row() for stream in self._streams]
+    return {key: np.stack([row[key] for row in rows]) for key in rows[0]}
 
   def get_state(self) -> dict:
-    return {"rows": [it.get_state() for it in self._iterators]}
+    return {"rows": [stream.get_state() for stream in self._streams]}
 
   def set_state(self, state: dict) -> None:
-    if len(state["rows"]) != len(self._iterators):
-      raise ValueError(f"data iterator state has {len(state['rows'])} rows, this process loads {len(self._iterators)}")
-    for it, row_state in zip(self._iterators, state["rows"]):
-      it.set_state(row_state)
+    if len(state["rows"]) != len(self._streams):
+      raise ValueError(f"data iterator state has {len(state['rows'])} rows, this process loads {len(self._streams)}")
+    for stream, row_state in zip(self._streams, state["rows"]):
+      stream.set_state(row_state)

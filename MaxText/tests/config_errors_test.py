@@ -1,0 +1,115 @@
+"""Every user mistake in the config or CLI: one line on stderr naming the key, exit status 2, no traceback.
+
+These run the real entry point. The checks happen before JAX is imported, so each case costs little;
+the cases marked `needs_devices` fail after the device lookup, still before any computation.
+"""
+
+import pytest
+
+from MaxText.tests.helpers import TRAIN_PY, run_python
+
+CASES = [
+  # (CLI args after the config, extra env, text the error line must contain)
+  (["stepz=5"], {}, "unknown config key 'stepz'; did you mean 'steps'"),
+  (["steps=abc"], {}, "steps=abc is not an integer"),
+  (["scan_layers=maybe"], {}, "scan_layers=maybe is not a boolean"),
+  (["learning_rate=fast"], {}, "learning_rate=fast is not a number"),
+  (["mlp_activations=silu"], {}, "mlp_activations=silu is not a list"),
+  (["global_parameter_scale=3"], {}, "global_parameter_scale=3 must be a power of 2"),
+  (["base_num_kv_heads=3"], {}, "base_num_query_heads=16 must be a multiple of base_num_kv_heads=3"),
+  (["model_name=gpt9"], {}, "model_name=gpt9 is not a known model; valid: default, llama2-13b"),
+  (["decoder_block=transformerxl"], {}, "decoder_block=transformerxl is not valid; choose one of: default, llama2"),
+  (["attention=magic"], {}, "attention=magic is not valid"),
+  (["dtype=float8"], {}, "dtype=float8 is not valid; choose one of: float32, bfloat16, float16"),
+  (["weight_dtype=int4"], {}, "weight_dtype=int4 is not valid"),
+  (["remat_policy=sometimes"], {}, "remat_policy=sometimes is not valid"),
+  (["mlp_activations=[silu,swiglu]"], {}, "mlp_activations has unknown activation 'swiglu'"),
+  (["per_device_batch_size=0"], {}, "per_device_batch_size=0.0 must be > 0"),
+  (["learning_rate=-1"], {}, "learning_rate=-1.0 must be >= 0"),
+  (["warmup_steps_fraction=1.5"], {}, "warmup_steps_fraction=1.5 must be in [0, 1]"),
+  (["adam_b2=1.0"], {}, "adam_b2=1.0 must be in [0, 1)"),
+  (["max_target_length=0"], {}, "max_target_length=0 must be a positive integer"),
+  (
+    ["ici_tensor_parallelism=-1"],
+    {},
+    "only one ici_*_parallelism may be -1, got ici_fsdp_parallelism, ici_tensor_parallelism",
+  ),
+  (["ici_tensor_parallelism=0"], {}, "ici_tensor_parallelism=0 must be a positive integer, or -1"),
+  (["dataset_type=c5"], {}, "dataset_type=c5 is not valid; choose one of: embedded, synthetic"),
+  (["hardware=quantum"], {}, "hardware=quantum is not valid"),
+  (["data_sharding=[[data,nonaxis]]"], {}, "data_sharding names 'nonaxis', which is not in mesh_axes"),
+  (["logical_axis_rules=[[embed,bogus]]"], {}, "logical_axis_rules maps 'embed' to 'bogus'"),
+  (["tokenizer_path=/no/such/tokenizer"], {}, "tokenizer_path=/no/such/tokenizer does not exist"),
+  (["steps"], {}, "argument 'steps' is not of the form key=value"),
+  (["--steps=3"], {}, "write overrides as steps=value, without leading dashes"),
+  (["steps=3", "steps=4"], {}, "key 'steps' is given twice on the command line"),
+  ([], {"M_STEPZ": "3"}, "environment variable M_STEPZ names no config key 'stepz'; did you mean 'steps'"),
+  (["steps=4"], {"M_STEPS": "3"}, "key 'steps' is set both on the command line and by M_STEPS"),
+  (["steps=-5"], {}, "steps=-5 must be positive"),
+]
+
+NEEDS_DEVICES = [
+  (["ici_tensor_parallelism=3"], {}, "ici_fsdp_parallelism=-1 cannot be filled: devices per slice 1 is not divisible by"),
+  (
+    ["ici_fsdp_parallelism=2"],
+    {},
+    "ici_*_parallelism multiply to 2 (ici_fsdp_parallelism=2) but there are 1 devices per slice",
+  ),
+  (["per_device_batch_size=0.5"], {}, "per_device_batch_size=0.5 x 1 devices = 0.5 rows"),
+  (["attention=flash"], {}, "attention=flash needs a TPU"),
+]
+
+
+def _assert_one_line_error(result, expected: str):
+  assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
+  assert "Traceback" not in result.stderr + result.stdout
+  lines = [line for line in result.stderr.splitlines() if line.strip()]
+  assert len(lines) == 1, lines
+  assert lines[0].startswith("Error: ")
+  assert expected in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("args,env,expected", CASES + NEEDS_DEVICES)
+def test_bad_cli_value_gives_one_clear_line(args, env, expected):
+  run_name = [] if any(a.startswith("run_name") for a in args) else ["run_name=bad"]
+  result = run_python([TRAIN_PY, "MaxText/configs/base.yml", *run_name, *args], env_extra=env)
+  _assert_one_line_error(result, expected)
+
+
+def test_missing_run_name():
+  _assert_one_line_error(run_python([TRAIN_PY, "MaxText/configs/base.yml"]), "run_name is empty")
+
+
+def test_missing_config_file():
+  _assert_one_line_error(run_python([TRAIN_PY, "nope.yml", "run_name=x"]), "config file 'nope.yml' does not exist")
+
+
+def test_first_argument_must_be_the_config():
+  _assert_one_line_error(run_python([TRAIN_PY, "run_name=x"]), "the first argument must be a config file")
+
+
+def test_broken_yaml(tmp_path):
+  bad = tmp_path / "bad.yml"
+  bad.write_text("steps: [1, 2\n")
+  _assert_one_line_error(run_python([TRAIN_PY, str(bad), "run_name=x"]), "is not valid YAML")
+
+
+def test_unknown_key_in_a_model_preset(tmp_path):
+  models = tmp_path / "models"
+  models.mkdir()
+  (models / "mine.yml").write_text("base_emb_dims: 64\n")
+  cfg = tmp_path / "c.yml"
+  cfg.write_text("base_config: base.yml\n")
+  result = run_python([TRAIN_PY, str(cfg), "run_name=x", "model_name=mine"])
+  _assert_one_line_error(result, "model preset 'mine' sets unknown key 'base_emb_dims'; did you mean 'base_emb_dim'")
+
+
+def test_tokenizer_larger_than_vocab_is_caught_before_training(tmp_path):
+  result = run_python(
+    [TRAIN_PY, "MaxText/configs/base.yml", "run_name=x", f"base_output_directory={tmp_path}", "vocab_size=100"]
+  )
+  _assert_one_line_error(result, "has 4096 tokens but vocab_size=100; set vocab_size>=4096")
+
+
+def test_at_least_twenty_distinct_mistakes_are_covered():
+  assert len(CASES) + len(NEEDS_DEVICES) >= 20

@@ -1,0 +1,54 @@
+"""Shared pieces of the tests: a tiny model config, and running the real entry points in a subprocess."""
+
+import json
+import os
+import subprocess
+import sys
+
+from MaxText import pyconfig
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BASE_YML = os.path.join(REPO_ROOT, "MaxText", "configs", "base.yml")
+TRAIN_PY = os.path.join(REPO_ROOT, "MaxText", "train.py")
+
+# A model small enough that a train step takes milliseconds on a CPU.
+TINY_MODEL = [
+  "base_emb_dim=32",
+  "base_num_query_heads=4",
+  "base_num_kv_heads=2",
+  "head_dim=8",
+  "base_mlp_dim=64",
+  "base_num_decoder_layers=2",
+  "vocab_size=4096",
+  "max_target_length=32",
+  "per_device_batch_size=2",
+  "dtype=float32",
+  "jax_cache_dir=",
+  "enable_tensorboard=false",
+]
+
+
+def tiny_args(*args) -> list[str]:
+  """TINY_MODEL with `key=value` args replacing its entries of the same key."""
+  merged = dict(a.split("=", 1) for a in TINY_MODEL)
+  merged.update(a.split("=", 1) for a in args)
+  return [f"{k}={v}" for k, v in merged.items()]
+
+
+def tiny_config(*args, tmp_path=None, **kwargs):
+  """pyconfig.initialize for the tiny model; extra key=value args and typed kwargs override it."""
+  out = [f"base_output_directory={tmp_path}"] if tmp_path else []
+  return pyconfig.initialize(["test", BASE_YML, "run_name=test", *tiny_args(*out, *args)], environ={}, **kwargs)
+
+
+def run_python(args, env_extra=None, timeout=600) -> subprocess.CompletedProcess:
+  """Runs `python3 <args>` from the repo root with a clean M_* environment."""
+  env = {k: v for k, v in os.environ.items() if not k.startswith("M_")}
+  env.update(env_extra or {})
+  command = [sys.executable, *args]
+  return subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def read_metrics(path) -> list[dict]:
+  with open(path, encoding="utf-8") as f:
+    return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,142 @@
+"""Config loading, typing, sources and derived values."""
+
+import os
+
+import pytest
+
+from MaxText import config_loader, pyconfig
+from MaxText.errors import ConfigError
+from MaxText.tests.helpers import BASE_YML, tiny_config
+
+
+def test_cli_values_are_typed_by_the_base_default():
+  c = tiny_config("learning_rate=3e-3", "adam_eps=1e-8", "steps=1_000", "scan_layers=FALSE", "mlp_activations=[gelu]")
+  assert c.learning_rate == 0.003 and isinstance(c.learning_rate, float)
+  assert c.adam_eps == 1e-8
+  assert c.steps == 1000 and isinstance(c.steps, int)
+  assert c.scan_layers is False
+  assert c.mlp_activations == ("gelu",)
+
+
+def test_float_key_accepts_an_integer_and_yaml_e_notation_is_a_float(tmp_path):
+  cfg = tmp_path / "c.yml"
+  cfg.write_text(f"base_config: {BASE_YML}\nlearning_rate: 1e-4\nadam_eps: 3E-9\n")
+  c = pyconfig.initialize(["t", str(cfg), "run_name=x", "per_device_batch_size=2"], environ={})
+  assert c.learning_rate == 1e-4 and c.adam_eps == 3e-9
+  assert c.per_device_batch_size == 2.0 and isinstance(c.per_device_batch_size, float)
+
+
+def test_sources_record_where_each_value_came_from(tmp_path):
+  cfg = tmp_path / "child.yml"
+  cfg.write_text(f"base_config: {BASE_YML}\nsteps: 7\n")
+  c = pyconfig.initialize(["t", str(cfg), "run_name=x", "learning_rate=0.5"], environ={"M_LOG_PERIOD": "3"})
+  assert c.source("learning_rate") == "command line"
+  assert c.source("log_period") == "environment" and c.log_period == 3
+  assert c.source("steps").endswith("child.yml") and c.steps == 7
+  assert c.source("adam_b1").endswith("base.yml")
+  assert c.source("emb_dim") == "derived"
+  assert "steps: 7  # " in c.to_yaml()
+
+
+def test_config_is_frozen():
+  c = tiny_config()
+  with pytest.raises(AttributeError, match="frozen"):
+    c.steps = 3
+  with pytest.raises(AttributeError, match="no key"):
+    _ = c.not_a_key
+
+
+@pytest.mark.parametrize(
+  "scale,expected",
+  [
+    (1, (2048, 16, 7168, 16)),
+    (2, (2048, 32, 14336, 16)),
+    (4, (4096, 32, 14336, 16)),
+    (8, (4096, 32, 14336, 32)),
+    (16, (4096, 64, 28672, 32)),
+    (128, (8192, 128, 57344, 64)),
+  ],
+)
+def test_global_parameter_scale_matches_upstream(scale, expected):
+  c = pyconfig.initialize(
+    ["t", BASE_YML, "run_name=x", f"global_parameter_scale={scale}", "per_device_batch_size=1"], environ={}
+  )
+  assert (c.emb_dim, c.num_query_heads, c.mlp_dim, c.num_decoder_layers) == expected
+  assert c.head_dim == 128
+
+
+def test_model_preset_overrides_base_and_merges_axis_rules():
+  c = pyconfig.initialize(["t", BASE_YML, "run_name=x", "model_name=llama2-7b", "per_device_batch_size=1"], environ={})
+  assert (c.emb_dim, c.num_query_heads, c.num_kv_heads, c.mlp_dim, c.num_decoder_layers) == (4096, 32, 32, 11008, 32)
+  assert c.source("base_emb_dim") == "model preset llama2-7b"
+  rules = dict((name, axes) for name, axes in reversed(c.logical_axis_rules))
+  assert rules["norm"] == "fsdp"
+  assert [r[0] for r in c.logical_axis_rules].count("norm") == 1
+
+
+def test_cli_cannot_silently_override_a_preset_key():
+  with pytest.raises(ConfigError, match="override_model_config=true"):
+    pyconfig.initialize(["t", BASE_YML, "run_name=x", "model_name=llama2-7b", "base_emb_dim=8"], environ={})
+  c = pyconfig.initialize(
+    [
+      "t",
+      BASE_YML,
+      "run_name=x",
+      "model_name=llama2-7b",
+      "base_emb_dim=64",
+      "override_model_config=true",
+      "per_device_batch_size=1",
+    ],
+    environ={},
+  )
+  assert c.emb_dim == 64 and c.source("base_emb_dim") == "command line"
+
+
+def test_derived_paths_and_schedule(tmp_path):
+  c = tiny_config("steps=50", tmp_path=tmp_path)
+  assert c.run_dir == os.path.join(str(tmp_path), "test")
+  assert c.checkpoint_dir == os.path.join(str(tmp_path), "test", "checkpoints")
+  assert c.tensorboard_dir == os.path.join(str(tmp_path), "test", "tensorboard")
+  assert c.learning_rate_schedule_steps == 50
+  assert os.path.isfile(c.tokenizer_path)
+
+
+def test_gs_output_directory_is_kept_as_is():
+  c = tiny_config("base_output_directory=gs://bucket/runs")
+  assert c.tensorboard_dir == "gs://bucket/runs/test/tensorboard"
+
+
+def test_defaults_resolve_for_this_machine():
+  c = tiny_config()
+  assert c.hardware == "cpu" and c.attention == "dot_product"
+  assert c.num_devices == 1 and c.ici_parallelism == (1,) * len(c.mesh_axes)
+
+
+def test_global_batch_sizes():
+  c = tiny_config("per_device_batch_size=3", "gradient_accumulation_steps=4")
+  assert (c.micro_batch_size_to_train_on, c.global_batch_size_to_train_on, c.global_batch_size_to_load) == (3, 12, 12)
+
+
+def test_fractional_per_device_batch_size_loads_one_row_per_device_as_upstream():
+  # 4 devices are faked by passing the devices list directly.
+  values, sources = config_loader.load_raw_config(["t", BASE_YML, "run_name=x", "per_device_batch_size=0.25"], {})
+  pyconfig._derive_static(values, sources, {})  # pylint: disable=protected-access
+
+  class FakeDevice:
+    platform = "cpu"
+    slice_index = 0
+
+  pyconfig._derive_device_values(values, sources, [FakeDevice()] * 8)  # pylint: disable=protected-access
+  assert values["micro_batch_size_to_train_on"] == 2
+  assert values["micro_batch_size_to_load"] == 8  # 2 rows cannot be split over 8 fsdp shards
+  assert values["ici_parallelism"][values["mesh_axes"].index("fsdp")] == 8
+
+
+def test_environment_and_cli_cannot_both_set_a_key():
+  with pytest.raises(ConfigError, match="both on the command line and by M_STEPS"):
+    pyconfig.initialize(["t", BASE_YML, "run_name=x", "steps=3"], environ={"M_STEPS": "4"})
+
+
+def test_logical_axis_rules_merge_keeps_base_order():
+  merged = config_loader.merge_logical_axis_rules([["a", "x"], ["b", "y"], ["a", "z"]], [["a", "w"]])
+  assert merged == [["b", "y"], ["a", "w"]]

@@ -1,0 +1,121 @@
+"""train_step: remat/scan invariance, gradient accumulation, padding, clipping and the LR schedule."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from MaxText import common_types, layer_stacking, mesh, optimizers, train_state, train_step
+from MaxText.tests.helpers import tiny_config
+
+
+def _batch(rows, length=32, seed=0, pad_from=None):
+  tokens = jax.random.randint(jax.random.PRNGKey(seed), (rows, length + 1), 0, 4096)
+  positions = jnp.broadcast_to(jnp.arange(length), (rows, length))
+  segmentation = jnp.ones((rows, length), jnp.int32)
+  if pad_from is not None:
+    segmentation = segmentation.at[:, pad_from:].set(0)
+  return {
+    "inputs": tokens[:, :-1],
+    "inputs_position": positions,
+    "inputs_segmentation": segmentation,
+    "targets": tokens[:, 1:],
+    "targets_position": positions,
+    "targets_segmentation": segmentation,
+  }
+
+
+def _loss_and_grads(config, params, batch):
+  model = train_state.create_model(config)
+
+  def loss(p):
+    total, weights = train_step._loss_terms(model, config, p, batch, jax.random.PRNGKey(0), True)  # pylint: disable=protected-access
+    return total / weights
+
+  return jax.jit(jax.value_and_grad(loss))(params)
+
+
+def _state(config):
+  device_mesh = mesh.create_device_mesh(config)
+  model = train_state.create_model(config)
+  tx = optimizers.create_optimizer(config, optimizers.create_learning_rate_schedule(config))
+  _, shardings = train_state.get_abstract_state(model, tx, config, device_mesh)
+  return model, train_state.init_train_state(model, tx, config, device_mesh, shardings)
+
+
+@pytest.fixture(scope="module")
+def reference():
+  """Loss and grads with no remat and unrolled layers: the baseline every layout must reproduce."""
+  config = tiny_config("scan_layers=false", "remat_policy=none")
+  _, state = _state(tiny_config())
+  params = dict(state.params)
+  params["decoder"] = layer_stacking.unstack_layers(params["decoder"], config.num_decoder_layers, config.param_scan_axis)
+  batch = _batch(2)
+  return state.params, batch, _loss_and_grads(config, params, batch)
+
+
+@pytest.mark.parametrize("scan", [True, False])
+@pytest.mark.parametrize("policy", common_types.REMAT_POLICIES)
+def test_remat_and_scan_give_the_same_loss_and_grads(reference, scan, policy):
+  scanned_params, batch, (ref_loss, ref_grads) = reference
+  config = tiny_config(f"scan_layers={scan}", f"remat_policy={policy}")
+  params = dict(scanned_params)
+  if not scan:
+    params["decoder"] = layer_stacking.unstack_layers(params["decoder"], config.num_decoder_layers, config.param_scan_axis)
+  loss, grads = _loss_and_grads(config, params, batch)
+  if scan:
+    grads = dict(grads)
+    grads["decoder"] = layer_stacking.unstack_layers(grads["decoder"], config.num_decoder_layers, config.param_scan_axis)
+  # Tolerance: float32 round-off from different fusion/recompute orders; never loosened to pass.
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-7), grads, ref_grads)
+
+
+def test_gradient_accumulation_equals_one_large_batch():
+  batch = _batch(8, pad_from=None)
+  batch["targets_segmentation"] = batch["targets_segmentation"].at[1, 20:].set(0)  # uneven weights per microbatch
+  big = tiny_config("per_device_batch_size=8", "gradient_accumulation_steps=1")
+  accumulated = tiny_config("per_device_batch_size=2", "gradient_accumulation_steps=4")
+  model, state = _state(big)
+  new_big, m_big = jax.jit(functools.partial(train_step.train_step, model, big))(state, batch)
+  new_acc, m_acc = jax.jit(functools.partial(train_step.train_step, model, accumulated))(state, batch)
+  for key in ("learning/loss", "learning/total_weights", "learning/raw_grad_norm"):
+    np.testing.assert_allclose(m_acc[key], m_big[key], rtol=1e-5)
+  jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-7), new_acc.params, new_big.params)
+
+
+def test_padding_carries_no_loss():
+  config = tiny_config()
+  model, state = _state(config)
+  batch = _batch(2, pad_from=10)
+  _, metrics = jax.jit(functools.partial(train_step.train_step, model, config))(state, batch)
+  assert float(metrics["learning/total_weights"]) == 2 * 10
+  # Changing the padded targets changes nothing.
+  other = dict(batch, targets=batch["targets"].at[:, 10:].set(7))
+  _, metrics2 = jax.jit(functools.partial(train_step.train_step, model, config))(state, other)
+  assert float(metrics2["learning/loss"]) == float(metrics["learning/loss"])
+
+
+def test_metrics_are_consistent():
+  config = tiny_config("gradient_clipping_threshold=0.01")
+  model, state = _state(config)
+  new_state, m = jax.jit(functools.partial(train_step.train_step, model, config))(state, _batch(2))
+  assert float(m["learning/grad_norm"]) == pytest.approx(0.01)
+  assert float(m["learning/raw_grad_norm"]) > 0.01
+  assert float(m["learning/param_norm"]) == pytest.approx(float(optax.global_norm(new_state.params)), rel=1e-6)
+  assert int(new_state.step) == 1
+  assert float(m["learning/loss"]) == pytest.approx(np.log(4096), rel=0.1)
+
+
+def test_learning_rate_schedule_warmup_cosine_then_zero():
+  config = tiny_config("learning_rate=1.0", "steps=120", "learning_rate_schedule_steps=100", "warmup_steps_fraction=0.1")
+  schedule = optimizers.create_learning_rate_schedule(config)
+  assert float(schedule(0)) == 0.0
+  assert float(schedule(5)) == pytest.approx(0.5)
+  assert float(schedule(10)) == pytest.approx(1.0)
+  assert float(schedule(55)) == pytest.approx(0.1 + 0.9 * 0.5, rel=1e-5)  # halfway down the cosine
+  assert float(schedule(99)) == pytest.approx(0.1, rel=1e-2)
+  assert float(schedule(100)) == 0.0 and float(schedule(119)) == 0.0
