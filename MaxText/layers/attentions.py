@@ -3,11 +3,13 @@
 import functools
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.layers import initializers
 from MaxText.layers.embeddings import apply_rotary_embedding
+from MaxText.layers.flash_attention import flash_attention
 from MaxText.layers.linears import DenseGeneral
 
 # Large negative instead of -inf: a fully masked row then gives a uniform softmax instead of NaN.
@@ -84,7 +86,12 @@ class Attention(nn.Module):
     query = nn.with_logical_constraint(
       rope(query, positions), ("activation_batch", "activation_length", "activation_heads", "activation_kv")
     )
-    out = dot_product_attention(query, rope(key, positions), value, segment_ids)
+    if self.attention_kernel == "flash":
+      # pyconfig allows flash only on TPU; on a CPU (tests) the kernel runs in the Pallas interpreter.
+      kernel = functools.partial(flash_attention, interpret=jax.default_backend() == "cpu")
+    else:
+      kernel = dot_product_attention
+    out = kernel(query, rope(key, positions), value, segment_ids)
     out = checkpoint_name(out, "context")  # (B, T, Nq, D)
     out = dense(x.shape[-1], ("heads", "kv", "embed"), axis=(-2, -1), name="out")(out)
     return checkpoint_name(out, "out_proj")

@@ -1,0 +1,60 @@
+"""attention=flash: the Pallas splash-attention kernel for TPU, run per shard under shard_map.
+
+The batch and head axes are split as the logical axis rules say (activation_batch, activation_heads);
+the sequence must not be sharded. `interpret=True` runs the same kernel on the CPU (slowly), for tests.
+"""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+from jax.sharding import PartitionSpec as P
+
+_MAX_BLOCK = 512
+
+
+def _kernel(num_heads: int, length: int, interpret: bool):
+  block = min(_MAX_BLOCK, length)
+  sizes = splash.BlockSizes(
+    block_q=block,
+    block_kv=block,
+    block_kv_compute=block,
+    block_q_dkv=block,
+    block_kv_dkv=block,
+    block_kv_dkv_compute=block,
+    block_q_dq=block,
+    block_kv_dq=block,
+  )
+  mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((length, length)) for _ in range(num_heads)])
+  return splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+
+
+def _local_attention(query, key, value, segment_ids, interpret: bool):
+  """One shard: (b, T, nq, D) queries, (b, T, nkv, D) keys/values -> (b, T, nq, D)."""
+  kernel = _kernel(query.shape[2], query.shape[1], interpret)
+  to_heads_first = functools.partial(jnp.swapaxes, axis1=1, axis2=2)  # (b, T, n, D) <-> (b, n, T, D)
+
+  def one_example(q, k, v, seg):
+    return kernel(q, k, v, segment_ids=splash.SegmentIds(q=seg, kv=seg))
+
+  out = jax.vmap(one_example)(to_heads_first(query), to_heads_first(key), to_heads_first(value), segment_ids)
+  return to_heads_first(out)
+
+
+def flash_attention(query, key, value, segment_ids, interpret: bool = False):
+  """Causal, segment-masked attention with the splash kernel. Shapes as dot_product_attention."""
+  mesh = jax.sharding.get_abstract_mesh()
+  local = functools.partial(_local_attention, interpret=interpret)
+  if mesh.empty:
+    return local(query, key, value, segment_ids)
+  q_spec = nn.logical_to_mesh_axes(("activation_batch", "activation_length", "activation_heads", None))
+  kv_spec = nn.logical_to_mesh_axes(("activation_kv_batch", "activation_length", "activation_kv_heads", None))
+  if q_spec[1] is not None:
+    raise ValueError("attention=flash cannot shard the sequence (activation_length); use attention=dot_product")
+  seg_spec = P(q_spec[0], None)
+  return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec, check_vma=False)(
+    query, key, value, segment_ids
+  )
