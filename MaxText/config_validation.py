@@ -142,6 +142,16 @@ def _check_mesh(v):
 def _check_paths(v):
   if not str(v["base_output_directory"]).strip():
     raise ConfigError("base_output_directory is empty; give a local directory or a gs:// path")
+  if v["load_parameters_path"] and v["load_full_state_path"]:
+    raise ConfigError("load_parameters_path and load_full_state_path are both set; give at most one")
+
+
+def _check_checkpointing(v):
+  if v["checkpoint_period"] < 1:
+    raise ConfigError(f"checkpoint_period={v['checkpoint_period']} must be a positive integer")
+  keep = v["max_num_checkpoints_to_keep"]
+  if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
+    raise ConfigError(f"max_num_checkpoints_to_keep={keep} must be null (keep all) or a positive integer")
 
 
 def validate_static(values: dict) -> None:
@@ -151,3 +161,4 @@ def validate_static(values: dict) -> None:
   _check_activations(values)
   _check_mesh(values)
   _check_paths(values)
+  _check_checkpointing(values)

@@ -19,6 +19,22 @@ from MaxText import max_logging
 _TENSORBOARD_FLUSH_SECONDS = 30
 
 
+def _keep_lines_before(path: str, start_step: int) -> None:
+  """Keeps the metrics of steps before start_step: a resumed run rewrites the steps after its checkpoint
+  (and a line cut short by a kill), so the file never holds a step twice or a hole."""
+  kept = []
+  if start_step > 0 and os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      for line in f:
+        try:
+          if json.loads(line)["step"] < start_step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+        except (json.JSONDecodeError, KeyError, TypeError):
+          continue
+  with open(path, "w", encoding="utf-8") as f:
+    f.writelines(kept)
+
+
 def _format_eta(seconds: float) -> str:
   return str(datetime.timedelta(seconds=int(round(seconds))))
 
@@ -40,7 +56,8 @@ class MetricLogger:
     self._metrics_file = None
     if config.metrics_file and jax.process_index() == 0:
       os.makedirs(os.path.dirname(os.path.abspath(config.metrics_file)), exist_ok=True)
-      self._metrics_file = open(config.metrics_file, "a" if start_step > 0 else "w", encoding="utf-8")
+      _keep_lines_before(config.metrics_file, start_step)
+      self._metrics_file = open(config.metrics_file, "a", encoding="utf-8")
 
   def reset_step_timer(self) -> None:
     """Restarts the step clock (e.g. after a blocking checkpoint save or eval, which is not step time)."""

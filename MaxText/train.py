@@ -36,23 +36,34 @@ def _log_run_start(config, state) -> None:
 
 
 def train_loop(config):
-  """Trains for config.steps steps and returns the final train state."""
+  """Trains until config.steps (or a SIGTERM/SIGINT) and returns the final train state."""
   # pylint: disable=import-outside-toplevel
-  from MaxText import max_logging, metric_logger, optimizers, sharding, train_state, train_step
+  from MaxText import checkpointing, max_logging, metric_logger, optimizers, sharding, train_state, train_step
   from MaxText.input_pipeline.input_pipeline_interface import create_data_iterator
   from MaxText.mesh import create_device_mesh
 
   mesh = create_device_mesh(config)
   model = train_state.create_model(config)
   tx = optimizers.create_optimizer(config, optimizers.create_learning_rate_schedule(config))
-  _, state_shardings = train_state.get_abstract_state(model, tx, config, mesh)
+  abstract_state, state_shardings = train_state.get_abstract_state(model, tx, config, mesh)
   data_iterator = create_data_iterator(config, mesh)
-  state = train_state.init_train_state(model, tx, config, mesh, state_shardings)
+  manager = checkpointing.create_checkpoint_manager(config)
+  state, data_state = checkpointing.initial_state(
+    config, manager, abstract_state, lambda: train_state.init_train_state(model, tx, config, mesh, state_shardings)
+  )
+  if data_state is not None:
+    data_iterator.set_state(data_state)
   start_step = int(state.step)
+  if start_step >= config.steps:
+    max_logging.log(
+      f"Run {config.run_name} is already complete: {start_step} of steps={config.steps} done. Raise steps to train on."
+    )
+    return state
   _log_run_start(config, state)
 
   p_train_step = train_step.jit_train_step(model, config, mesh, state_shardings)
   logger = metric_logger.MetricLogger(config, start_step, metric_logger.create_tensorboard_writer(config))
+  watcher = checkpointing.PreemptionWatcher()
   example_batch = None
   with sharding.logical_context(mesh, config):
     for step in range(start_step, config.steps):
@@ -60,10 +71,26 @@ def train_loop(config):
         example_batch = next(data_iterator)
       state, metrics = p_train_step(state, example_batch)
       logger.record(step, metrics)
+      stop = watcher.should_stop(step)
+      if manager is not None and (step % config.checkpoint_period == 0 or step == config.steps - 1 or stop):
+        logger.flush()  # the step's metrics line is written before its checkpoint can commit
+        blocked = checkpointing.save_checkpoint(manager, step, state, data_iterator)
+        logger.reset_step_timer()
+        max_logging.log(f"Saving the checkpoint of step {step} (the loop waited {blocked:.3f} s)")
+      if stop:
+        break
   logger.close()
-  max_logging.log(
-    f"Training finished at step {config.steps - 1}. TensorBoard: tensorboard --logdir={config.tensorboard_dir}"
-  )
+  watcher.close()
+  if manager is not None:
+    manager.wait_until_finished()
+    manager.close()
+  if stop:
+    saved = f"saved the checkpoint of step {step} to {config.checkpoint_dir}" if manager else "checkpointing is disabled"
+    max_logging.log(f"Received {watcher.signal_name}: stopped after step {step} and {saved}.")
+  else:
+    max_logging.log(
+      f"Training finished at step {config.steps - 1}. TensorBoard: tensorboard --logdir={config.tensorboard_dir}"
+    )
   return state
 
 

@@ -9,6 +9,8 @@ processes. Each stream's position is two integers, so a restored pipeline resume
 import grain
 import numpy as np
 
+from MaxText.errors import UserError
+
 FEATURES = ("inputs", "targets")
 
 
@@ -85,7 +87,9 @@ class RowStreamBatcher:
     row_range: [start, stop) rows that this process loads.
     seq_len: length of every row.
     """
-    self._streams = [PackedStream(examples[row::num_rows], seq_len) for row in range(*row_range)]
+    self._num_rows = num_rows
+    self._rows = list(range(*row_range))
+    self._streams = [PackedStream(examples[row::num_rows], seq_len) for row in self._rows]
 
   def __iter__(self):
     return self
@@ -95,10 +99,17 @@ class RowStreamBatcher:
     return {key: np.stack([row[key] for row in rows]) for key in rows[0]}
 
   def get_state(self) -> dict:
-    return {"rows": [stream.get_state() for stream in self._streams]}
+    """{"num_rows": R, "rows": {global row: stream state}}; a checkpoint unions the rows of all processes."""
+    return {
+      "num_rows": self._num_rows,
+      "rows": {str(row): stream.get_state() for row, stream in zip(self._rows, self._streams)},
+    }
 
   def set_state(self, state: dict) -> None:
-    if len(state["rows"]) != len(self._streams):
-      raise ValueError(f"data iterator state has {len(state['rows'])} rows, this process loads {len(self._streams)}")
-    for stream, row_state in zip(self._streams, state["rows"]):
-      stream.set_state(row_state)
+    if state["num_rows"] != self._num_rows or any(str(row) not in state["rows"] for row in self._rows):
+      raise UserError(
+        f"the checkpoint's data position is for a global batch of {state['num_rows']} rows, this run loads "
+        f"{self._num_rows}: resume with the same devices x per_device_batch_size x gradient_accumulation_steps"
+      )
+    for row, stream in zip(self._rows, self._streams):
+      stream.set_state(state["rows"][str(row)])

@@ -1,0 +1,246 @@
+"""Orbax checkpoints of the train state and of the data iterator's position, and how a run starts.
+
+Layout: <checkpoint_dir>/<N>/items (the TrainState after step N, so a restored run continues at N+1)
+and <checkpoint_dir>/<N>/data_iter (one JSON file per process). A run starts from, in order: its own
+latest good checkpoint; load_parameters_path (params only); load_full_state_path; a fresh init.
+"""
+
+import dataclasses
+import json
+import os
+import signal
+import time
+
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+
+from MaxText import max_logging
+from MaxText.errors import UserError
+
+STATE_ITEM = "items"
+DATA_ITEM = "data_iter"
+QUARANTINE_DIR = "corrupted_checkpoints"
+# Test-only fault injection: "kill_during_save:<step>" SIGKILLs the process while that step's async save is in flight.
+FAULT_INJECTION_ENV = "MAXTEXT_FAULT_INJECTION"
+_MAX_LISTED_MISMATCHES = 5
+
+
+class DataIteratorHandler(ocp.CheckpointHandler):
+  """Saves each process's data-iterator state as JSON; restore merges the states of all processes.
+
+  A state is a dict; where a value is itself a dict (such as the per-row positions of the embedded
+  corpus, keyed by global row), the processes' dicts are unioned, so a restore needs no same process count.
+  """
+
+  def save(self, directory: epath.Path, args: "DataIteratorSave"):
+    name = f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+    (directory / name).write_text(json.dumps(args.state))
+
+  def restore(self, directory: epath.Path, args: "DataIteratorRestore" = None) -> dict:
+    del args
+    merged = {}
+    for path in sorted(directory.glob("process_*.json")):
+      for key, value in json.loads(path.read_text()).items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+          merged[key].update(value)
+        else:
+          merged.setdefault(key, value)
+    return merged
+
+
+@ocp.args.register_with_handler(DataIteratorHandler, for_save=True)
+@dataclasses.dataclass
+class DataIteratorSave(ocp.args.CheckpointArgs):
+  state: dict
+
+
+@ocp.args.register_with_handler(DataIteratorHandler, for_restore=True)
+@dataclasses.dataclass
+class DataIteratorRestore(ocp.args.CheckpointArgs):
+  pass
+
+
+def create_checkpoint_manager(config) -> ocp.CheckpointManager | None:
+  if not config.enable_checkpointing:
+    max_logging.log("Checkpointing is disabled (enable_checkpointing=false).")
+    return None
+  options = ocp.CheckpointManagerOptions(
+    save_interval_steps=1,  # train.py decides when to save (period, last step, preemption)
+    max_to_keep=config.max_num_checkpoints_to_keep,
+    enable_async_checkpointing=config.async_checkpointing,
+    create=True,
+    cleanup_tmp_directories=True,  # a save killed mid-write leaves a tmp dir, never a step dir
+  )
+  return ocp.CheckpointManager(config.checkpoint_dir, item_names=(STATE_ITEM, DATA_ITEM), options=options)
+
+
+def _flat_shapes(tree) -> dict[str, tuple]:
+  """{'params/decoder/layers/mlp/wo/kernel': shape} for array leaves of a (metadata or abstract) tree."""
+  flat = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if hasattr(leaf, "shape"):
+      keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+      flat["/".join(keys)] = tuple(leaf.shape)
+  return flat
+
+
+def check_checkpoint_fits(checkpoint_params, model_params, where: str) -> None:
+  """Raises a UserError naming the first parameters whose presence or shape differ."""
+  saved, wanted = _flat_shapes(checkpoint_params), _flat_shapes(model_params)
+  problems = [f"{k}: checkpoint {saved[k]} vs model {wanted[k]}" for k in wanted if k in saved and saved[k] != wanted[k]]
+  problems += [f"{k}: in the model, not in the checkpoint" for k in wanted if k not in saved]
+  problems += [f"{k}: in the checkpoint, not in the model" for k in saved if k not in wanted]
+  if problems:
+    more = f"; and {len(problems) - _MAX_LISTED_MISMATCHES} more" if len(problems) > _MAX_LISTED_MISMATCHES else ""
+    raise UserError(
+      f"checkpoint {where} does not fit the model (other dims, layer count or scan_layers?): "
+      + "; ".join(problems[:_MAX_LISTED_MISMATCHES])
+      + more
+    )
+
+
+def _quarantine(manager, step: int, reason: str) -> None:
+  """Moves an unreadable checkpoint out of the way (kept for inspection, never deleted)."""
+  source = epath.Path(manager.directory) / str(step)
+  target = epath.Path(manager.directory).parent / QUARANTINE_DIR / f"{step}-{int(time.time())}"
+  max_logging.warn(f"checkpoint of step {step} at {source} is unreadable ({reason}); moving it to {target}")
+  if jax.process_index() == 0:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    source.rename(target)
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+    multihost_utils.sync_global_devices(f"quarantine checkpoint {step}")
+  manager.reload()
+
+
+def _short(error: Exception) -> str:
+  return " ".join(f"{type(error).__name__}: {error}".split())[:300]
+
+
+def restore_latest(manager, abstract_state):
+  """The newest readable checkpoint of this run: (state, data_iterator_state or None), or None if there is none.
+
+  A checkpoint that cannot be read (a truncated or missing file) is reported, moved aside, and the
+  previous one is tried. A checkpoint of another model is a UserError (no silent fallback).
+  """
+  for step in sorted(manager.all_steps(), reverse=True):
+    where = str(epath.Path(manager.directory) / str(step))
+    try:
+      metadata = manager.item_metadata(step)[STATE_ITEM]
+      saved_params = (metadata.tree if hasattr(metadata, "tree") else metadata)["params"]
+    except Exception as e:  # pylint: disable=broad-except  # any unreadable metadata means a damaged checkpoint
+      _quarantine(manager, step, _short(e))
+      continue
+    check_checkpoint_fits(saved_params, abstract_state.params, where)
+    try:
+      restored = manager.restore(
+        step,
+        args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(abstract_state), DATA_ITEM: DataIteratorRestore()}),
+      )
+    except Exception as e:  # pylint: disable=broad-except
+      _quarantine(manager, step, _short(e))
+      continue
+    max_logging.log(f"Restored the checkpoint of step {step} from {where}")
+    return restored[STATE_ITEM], restored[DATA_ITEM]
+  return None
+
+
+def _restore_args(abstract_tree):
+  return ocp.checkpoint_utils.construct_restore_args(abstract_tree)
+
+
+def load_params(path: str, abstract_params):
+  """Params from an Orbax PyTree holding {"params": ...} (a training checkpoint's items, or params-only)."""
+  if not epath.Path(path).exists():
+    raise UserError(f"load_parameters_path={path} does not exist")
+  checkpointer = ocp.PyTreeCheckpointer()
+  try:
+    metadata = checkpointer.metadata(path)
+    tree = metadata.item_metadata.tree if hasattr(metadata, "item_metadata") else metadata
+  except Exception as e:  # pylint: disable=broad-except
+    raise UserError(f"load_parameters_path={path} is not an Orbax checkpoint ({_short(e)})") from None
+  if "params" not in tree:
+    raise UserError(f"load_parameters_path={path} holds no 'params' (keys: {', '.join(tree)})")
+  check_checkpoint_fits(tree["params"], abstract_params, path)
+  target = {"params": abstract_params}
+  restored = checkpointer.restore(
+    path, args=ocp.args.PyTreeRestore(item=target, restore_args=_restore_args(target), partial_restore=True)
+  )
+  max_logging.log(f"Loaded parameters from {path}")
+  return restored["params"]
+
+
+def load_full_state(path: str, abstract_state):
+  """A whole TrainState (params, optimizer state, step) from an Orbax checkpoint's items directory."""
+  if not epath.Path(path).exists():
+    raise UserError(f"load_full_state_path={path} does not exist")
+  checkpointer = ocp.StandardCheckpointer()
+  metadata = checkpointer.metadata(path)
+  tree = metadata.item_metadata.tree if hasattr(metadata, "item_metadata") else metadata
+  check_checkpoint_fits(tree["params"], abstract_state.params, path)
+  state = checkpointer.restore(path, abstract_state)
+  max_logging.log(f"Loaded the full train state (step {int(state.step)}) from {path}")
+  return state
+
+
+def initial_state(config, manager, abstract_state, init_fn):
+  """The state to start from, and the data iterator state to resume (None: start the data afresh).
+
+  In order: this run's latest good checkpoint; load_parameters_path (a fresh state with those params);
+  load_full_state_path; init_fn() (a fresh state).
+  """
+  if manager is not None:
+    restored = restore_latest(manager, abstract_state)
+    if restored is not None:
+      return restored
+  if config.load_parameters_path:
+    state = init_fn()
+    return state.replace(params=load_params(config.load_parameters_path, abstract_state.params)), None
+  if config.load_full_state_path:
+    return load_full_state(config.load_full_state_path, abstract_state), None
+  return init_fn(), None
+
+
+def save_checkpoint(manager, step: int, state, data_iterator) -> float:
+  """Starts saving the state after `step` (asynchronously if configured); returns the seconds the caller was blocked."""
+  start = time.time()
+  args = {STATE_ITEM: ocp.args.StandardSave(state), DATA_ITEM: DataIteratorSave(data_iterator.get_state())}
+  manager.save(step, args=ocp.args.Composite(**args), force=True)
+  if os.environ.get(FAULT_INJECTION_ENV) == f"kill_during_save:{step}":
+    max_logging.warn(f"{FAULT_INJECTION_ENV}: killing the process while the save of step {step} is in flight")
+    os.kill(os.getpid(), signal.SIGKILL)
+  return time.time() - start
+
+
+class PreemptionWatcher:
+  """SIGTERM/SIGINT (a preemption notice or Ctrl-C) ask the loop to save the current step and stop.
+
+  A second Ctrl-C interrupts at once. With several processes, JAX's preemption service (which owns
+  SIGTERM there) picks one step at which every process saves and stops.
+  """
+
+  def __init__(self):
+    self.signal_name = None
+    self._previous = {}
+    if jax.process_count() == 1:
+      for sig in (signal.SIGTERM, signal.SIGINT):
+        self._previous[sig] = signal.signal(sig, self._on_signal)
+
+  def _on_signal(self, signum, frame):
+    del frame
+    self.signal_name = signal.Signals(signum).name
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+  def should_stop(self, step: int) -> bool:
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+      if multihost_utils.reached_preemption_sync_point(step):
+        self.signal_name = "SIGTERM"
+    return self.signal_name is not None
+
+  def close(self) -> None:
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
