@@ -12,6 +12,7 @@ import signal
 import time
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
@@ -72,22 +73,23 @@ def create_checkpoint_manager(config) -> ocp.CheckpointManager | None:
     create=True,
     cleanup_tmp_directories=True,  # a save killed mid-write leaves a tmp dir, never a step dir
   )
-  return ocp.CheckpointManager(config.checkpoint_dir, item_names=(STATE_ITEM, DATA_ITEM), options=options)
+  handlers = {STATE_ITEM: ocp.StandardCheckpointHandler(), DATA_ITEM: DataIteratorHandler()}
+  return ocp.CheckpointManager(config.checkpoint_dir, item_handlers=handlers, options=options)
 
 
-def _flat_shapes(tree) -> dict[str, tuple]:
+def _flat_shapes(tree, prefix: str) -> dict[str, tuple]:
   """{'params/decoder/layers/mlp/wo/kernel': shape} for array leaves of a (metadata or abstract) tree."""
   flat = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
     if hasattr(leaf, "shape"):
-      keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+      keys = [prefix] + [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
       flat["/".join(keys)] = tuple(leaf.shape)
   return flat
 
 
 def check_checkpoint_fits(checkpoint_params, model_params, where: str) -> None:
   """Raises a UserError naming the first parameters whose presence or shape differ."""
-  saved, wanted = _flat_shapes(checkpoint_params), _flat_shapes(model_params)
+  saved, wanted = _flat_shapes(checkpoint_params, "params"), _flat_shapes(model_params, "params")
   problems = [f"{k}: checkpoint {saved[k]} vs model {wanted[k]}" for k in wanted if k in saved and saved[k] != wanted[k]]
   problems += [f"{k}: in the model, not in the checkpoint" for k in wanted if k not in saved]
   problems += [f"{k}: in the checkpoint, not in the model" for k in saved if k not in wanted]
@@ -119,12 +121,27 @@ def _short(error: Exception) -> str:
   return " ".join(f"{type(error).__name__}: {error}".split())[:300]
 
 
+def _readable_on_host(step_dir: str) -> bool:
+  """Whether a checkpoint whose restore failed still reads back as plain host arrays (so it is not damaged)."""
+  try:
+    path = epath.Path(step_dir) / STATE_ITEM
+    checkpointer = ocp.PyTreeCheckpointer()
+    tree = checkpointer.metadata(path).item_metadata.tree
+    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
+    DataIteratorHandler().restore(epath.Path(step_dir) / DATA_ITEM)
+    return True
+  except Exception:  # pylint: disable=broad-except
+    return False
+
+
 def restore_latest(manager, abstract_state):
   """The newest readable checkpoint of this run: (state, data_iterator_state or None), or None if there is none.
 
   A checkpoint that cannot be read (a truncated or missing file) is reported, moved aside, and the
   previous one is tried. A checkpoint of another model is a UserError (no silent fallback).
   """
+  damaged = False
   for step in sorted(manager.all_steps(), reverse=True):
     where = str(epath.Path(manager.directory) / str(step))
     try:
@@ -132,6 +149,7 @@ def restore_latest(manager, abstract_state):
       saved_params = (metadata.tree if hasattr(metadata, "tree") else metadata)["params"]
     except Exception as e:  # pylint: disable=broad-except  # any unreadable metadata means a damaged checkpoint
       _quarantine(manager, step, _short(e))
+      damaged = True
       continue
     check_checkpoint_fits(saved_params, abstract_state.params, where)
     try:
@@ -140,10 +158,17 @@ def restore_latest(manager, abstract_state):
         args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(abstract_state), DATA_ITEM: DataIteratorRestore()}),
       )
     except Exception as e:  # pylint: disable=broad-except
+      if _readable_on_host(where):
+        raise UserError(f"checkpoint {where} is intact but cannot be restored onto this run: {_short(e)}") from None
       _quarantine(manager, step, _short(e))
+      damaged = True
       continue
     max_logging.log(f"Restored the checkpoint of step {step} from {where}")
     return restored[STATE_ITEM], restored[DATA_ITEM]
+  if damaged:
+    # Never start from scratch silently over a run whose every checkpoint failed to load.
+    quarantined = epath.Path(manager.directory).parent / QUARANTINE_DIR
+    raise UserError(f"no checkpoint of this run could be read; they were moved to {quarantined} (see the warnings above)")
   return None
 
 

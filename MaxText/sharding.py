@@ -1,10 +1,13 @@
 """Logical axis names -> mesh shardings, through config.logical_axis_rules."""
 
 import contextlib
+import math
 
 import flax.linen as nn
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
+
+from MaxText.errors import UserError
 
 
 @contextlib.contextmanager
@@ -26,3 +29,18 @@ def logical_to_shardings(boxed_tree, mesh, config):
 def data_sharding(config, mesh) -> NamedSharding:
   """Sharding of (batch, length) input arrays: the batch over config.data_sharding's mesh axes."""
   return NamedSharding(mesh, PartitionSpec(*config.data_sharding))
+
+
+def check_divisible(abstract_tree, shardings, what: str) -> None:
+  """Raises a UserError for the first array dimension that its mesh axes cannot split evenly."""
+  flat_shardings = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
+  for (path, leaf), named in zip(jax.tree_util.tree_flatten_with_path(abstract_tree)[0], flat_shardings):
+    mesh_shape = dict(named.mesh.shape)
+    for dim, axes in enumerate(named.spec):
+      axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+      ways = math.prod(mesh_shape[a] for a in axes)
+      if leaf.shape[dim] % ways:
+        raise UserError(
+          f"{what} {jax.tree_util.keystr(path)} of shape {tuple(leaf.shape)}: dimension {dim} ({leaf.shape[dim]}) cannot be "
+          f"split {ways} ways over mesh axes {list(axes)}; change the ici_*/dcn_* parallelism or the model dims"
+        )

@@ -38,7 +38,7 @@ def _log_run_start(config, state) -> None:
 def train_loop(config):
   """Trains until config.steps (or a SIGTERM/SIGINT) and returns the final train state."""
   # pylint: disable=import-outside-toplevel
-  from MaxText import checkpointing, max_logging, metric_logger, optimizers, sharding, train_state, train_step
+  from MaxText import checkpointing, optimizers, train_state
   from MaxText.input_pipeline.input_pipeline_interface import create_data_iterator
   from MaxText.mesh import create_device_mesh
 
@@ -48,11 +48,23 @@ def train_loop(config):
   abstract_state, state_shardings = train_state.get_abstract_state(model, tx, config, mesh)
   data_iterator = create_data_iterator(config, mesh)
   manager = checkpointing.create_checkpoint_manager(config)
-  state, data_state = checkpointing.initial_state(
-    config, manager, abstract_state, lambda: train_state.init_train_state(model, tx, config, mesh, state_shardings)
-  )
-  if data_state is not None:
-    data_iterator.set_state(data_state)
+  try:
+    state, data_state = checkpointing.initial_state(
+      config, manager, abstract_state, lambda: train_state.init_train_state(model, tx, config, mesh, state_shardings)
+    )
+    if data_state is not None:
+      data_iterator.set_state(data_state)
+    return _run_steps(config, mesh, model, state, state_shardings, data_iterator, manager)
+  finally:
+    if manager is not None:
+      manager.close()  # waits for a save in flight, also when the loop failed
+
+
+def _run_steps(config, mesh, model, state, state_shardings, data_iterator, manager):
+  """The step loop from state.step to config.steps, with metrics and checkpoints."""
+  # pylint: disable=import-outside-toplevel
+  from MaxText import checkpointing, max_logging, metric_logger, sharding, train_step
+
   start_step = int(state.step)
   if start_step >= config.steps:
     max_logging.log(
@@ -60,11 +72,10 @@ def train_loop(config):
     )
     return state
   _log_run_start(config, state)
-
   p_train_step = train_step.jit_train_step(model, config, mesh, state_shardings)
   logger = metric_logger.MetricLogger(config, start_step, metric_logger.create_tensorboard_writer(config))
   watcher = checkpointing.PreemptionWatcher()
-  example_batch = None
+  example_batch, stop = None, False
   with sharding.logical_context(mesh, config):
     for step in range(start_step, config.steps):
       if example_batch is None or not config.reuse_example_batch:
@@ -83,7 +94,6 @@ def train_loop(config):
   watcher.close()
   if manager is not None:
     manager.wait_until_finished()
-    manager.close()
   if stop:
     saved = f"saved the checkpoint of step {step} to {config.checkpoint_dir}" if manager else "checkpointing is disabled"
     max_logging.log(f"Received {watcher.signal_name}: stopped after step {step} and {saved}.")

@@ -34,6 +34,7 @@ def get_abstract_state(model, tx, config, mesh):
   with sharding.logical_context(mesh, config):
     boxed = jax.eval_shape(init, jax.random.PRNGKey(0))
   shardings = sharding.logical_to_shardings(boxed, mesh, config)
+  sharding.check_divisible(nn.unbox(boxed).params, shardings.params, "parameter")
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nn.unbox(boxed), shardings)
   return abstract, shardings
 

@@ -57,6 +57,12 @@ NEEDS_DEVICES = [
   ),
   (["per_device_batch_size=0.5"], {}, "per_device_batch_size=0.5 x 1 devices = 0.5 rows"),
   (["attention=flash"], {}, "attention=flash needs a TPU"),
+  (
+    ["base_num_kv_heads=2", "ici_fsdp_parallelism=1", "ici_tensor_parallelism=4"],
+    {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
+    "parameter ['decoder']['layers']['self_attention']['key']['kernel'] of shape (2048, 16, 2, 128): dimension 2 (2) "
+    "cannot be split 4 ways over mesh axes ['tensor', 'autoregressive']",
+  ),
 ]
 
 

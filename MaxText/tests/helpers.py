@@ -52,3 +52,12 @@ def run_python(args, env_extra=None, timeout=600) -> subprocess.CompletedProcess
 def read_metrics(path) -> list[dict]:
   with open(path, encoding="utf-8") as f:
     return [json.loads(line) for line in f if line.strip()]
+
+
+def run_train(tmp_path, run_name, *args, env=None, metrics_name=None):
+  """Runs `python3 MaxText/train.py` on the tiny model under tmp_path; returns (process, metrics lines)."""
+  metrics = tmp_path / f"{metrics_name or run_name}.jsonl"
+  argv = [TRAIN_PY, "MaxText/configs/base.yml", f"run_name={run_name}"]
+  argv += tiny_args(f"base_output_directory={tmp_path}", f"metrics_file={metrics}", "learning_rate=1e-2", *args)
+  result = run_python(argv, env_extra=env)
+  return result, (read_metrics(metrics) if metrics.exists() else [])

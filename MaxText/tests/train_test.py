@@ -8,7 +8,7 @@ import struct
 import pytest
 from tensorboardX.proto import event_pb2
 
-from MaxText.tests.helpers import TRAIN_PY, read_metrics, run_python, tiny_args
+from MaxText.tests.helpers import run_train
 
 LOG_LINE = re.compile(
   r"^completed step: (\d+), seconds: \d+\.\d{3}, TFLOP/s/device: \d+\.\d{3}, Tokens/s/device: \d+\.\d{3}, "
@@ -32,12 +32,9 @@ UPSTREAM_KEYS = {
 
 
 def _train(tmp_path, run_name, *args, env=None):
-  metrics = tmp_path / f"{run_name}.jsonl"
-  argv = [TRAIN_PY, "MaxText/configs/base.yml", f"run_name={run_name}"]
-  argv += tiny_args(f"base_output_directory={tmp_path}", f"metrics_file={metrics}", "learning_rate=1e-2", *args)
-  result = run_python(argv, env_extra=env)
+  result, metrics = run_train(tmp_path, run_name, *args, env=env)
   assert result.returncode == 0, result.stderr[-3000:]
-  return result, read_metrics(metrics)
+  return result, metrics
 
 
 def _tensorboard_scalars(directory) -> dict:

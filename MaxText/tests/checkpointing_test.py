@@ -1,0 +1,148 @@
+"""Checkpoints: exact resume, completed runs, preemption, damaged checkpoints, model mismatches, loading."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from MaxText.tests.helpers import REPO_ROOT, TRAIN_PY, read_metrics, run_train, tiny_args
+
+
+def _ok(result):
+  assert result.returncode == 0, result.stderr[-3000:]
+  return result
+
+
+def _losses(metrics):
+  return [m["learning/loss"] for m in metrics]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+  """An uninterrupted 10-step run (checkpoints at 0, 3, 6, 9)."""
+  tmp = tmp_path_factory.mktemp("reference")
+  _, metrics = run_train(tmp, "ref", "steps=10", "checkpoint_period=3")
+  assert [m["step"] for m in metrics] == list(range(10))
+  return tmp, metrics
+
+
+def test_raising_steps_continues_exactly_where_it_stopped(tmp_path, reference):
+  _, ref = reference
+  _ok(run_train(tmp_path, "grow", "steps=5", "checkpoint_period=3", "learning_rate_schedule_steps=10")[0])
+  assert sorted(os.listdir(tmp_path / "grow" / "checkpoints")) == ["0", "3", "4"]
+  result, metrics = run_train(tmp_path, "grow", "steps=10", "checkpoint_period=3", "learning_rate_schedule_steps=10")
+  _ok(result)
+  assert "Restored the checkpoint of step 4" in result.stdout
+  assert [m["step"] for m in metrics] == list(range(10))  # the file continues without a hole or a repeat
+  assert _losses(metrics) == _losses(ref)  # bitwise
+
+
+def test_a_finished_run_says_so_and_exits_zero(tmp_path):
+  _ok(run_train(tmp_path, "done", "steps=3")[0])
+  result, metrics = run_train(tmp_path, "done", "steps=3")
+  _ok(result)
+  assert "already complete: 3 of steps=3 done" in result.stdout
+  assert len(metrics) == 3
+
+
+def test_sigterm_saves_the_current_step_and_exits_zero(tmp_path, reference):
+  _, ref = reference
+  metrics_path = tmp_path / "term.jsonl"
+  argv = [sys.executable, TRAIN_PY, "MaxText/configs/base.yml", "run_name=term"]
+  argv += tiny_args(f"base_output_directory={tmp_path}", f"metrics_file={metrics_path}", "learning_rate=1e-2")
+  argv += ["checkpoint_period=1000", "learning_rate_schedule_steps=10", "steps=100000"]
+  proc = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  deadline = time.time() + 120
+  while (
+    proc.poll() is None and time.time() < deadline and len(read_metrics(metrics_path) if metrics_path.exists() else []) < 3
+  ):
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGTERM)
+  stdout, stderr = proc.communicate(timeout=120)
+  assert proc.returncode == 0, stderr[-3000:]
+  last = int(read_metrics(metrics_path)[-1]["step"])
+  assert f"Received SIGTERM: stopped after step {last} and saved the checkpoint of step {last}" in stdout
+  assert str(last) in os.listdir(tmp_path / "term" / "checkpoints")
+  result, metrics = run_train(
+    tmp_path, "term", "steps=10", "checkpoint_period=1000", "learning_rate_schedule_steps=10", metrics_name="term"
+  )
+  _ok(result)
+  assert f"Restored the checkpoint of step {last}" in result.stdout
+  assert [m["step"] for m in metrics] == list(range(10)) and _losses(metrics) == _losses(ref)
+
+
+@pytest.mark.parametrize("damage", ["truncate_data", "delete_metadata"])
+def test_a_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path, reference, damage):
+  _, ref = reference
+  _ok(run_train(tmp_path, "dmg", "steps=8", "checkpoint_period=3", "learning_rate_schedule_steps=10")[0])
+  items = tmp_path / "dmg" / "checkpoints" / "7" / "items"
+  if damage == "truncate_data":
+    for root, _, files in os.walk(items / "ocdbt.process_0"):
+      for name in files:
+        with open(os.path.join(root, name), "r+b") as f:
+          f.truncate(10)
+  else:
+    os.remove(items / "_METADATA")
+  result, metrics = run_train(tmp_path, "dmg", "steps=10", "checkpoint_period=3", "learning_rate_schedule_steps=10")
+  _ok(result)
+  assert "checkpoint of step 7" in result.stderr and "is unreadable" in result.stderr
+  assert "Restored the checkpoint of step 6" in result.stdout
+  assert os.listdir(tmp_path / "dmg" / "corrupted_checkpoints")  # moved aside, not deleted
+  assert _losses(metrics) == _losses(ref)
+
+
+@pytest.mark.parametrize(
+  "change,expected",
+  [
+    ("base_num_decoder_layers=3", "params/decoder/layers/mlp/wi_0/kernel: checkpoint (32, 2, 64) vs model (32, 3, 64)"),
+    ("scan_layers=false", "params/decoder/layers_0/mlp/wi_0/kernel: in the model, not in the checkpoint"),
+  ],
+)
+def test_a_checkpoint_of_another_model_is_a_clear_error(tmp_path, change, expected):
+  _ok(run_train(tmp_path, "mm", "steps=2")[0])
+  result, _ = run_train(tmp_path, "mm", "steps=4", change)
+  assert result.returncode == 2
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and "does not fit the model" in lines[0] and expected in lines[0], lines
+
+
+def test_load_parameters_and_full_state(tmp_path, reference):
+  ref_dir, ref = reference
+  items = ref_dir / "ref" / "checkpoints" / "9" / "items"
+  result, tuned = run_train(tmp_path, "tune", "steps=2", f"load_parameters_path={items}")
+  _ok(result)
+  assert "Loaded parameters from" in result.stdout
+  assert [m["step"] for m in tuned] == [0, 1]
+  assert tuned[0]["learning/loss"] < ref[0]["learning/loss"] - 0.05  # trained params, fresh optimizer
+  result, full = run_train(tmp_path, "full", "steps=12", f"load_full_state_path={items}")
+  _ok(result)
+  assert [m["step"] for m in full] == [10, 11]
+  result, _ = run_train(tmp_path, "bad", "steps=2", f"load_parameters_path={tmp_path}/nothing")
+  assert result.returncode == 2 and "load_parameters_path=" in result.stderr and "does not exist" in result.stderr
+
+
+def test_restore_onto_a_different_mesh(tmp_path):
+  eight = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  four = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+  common = ["steps=6", "checkpoint_period=3", "learning_rate_schedule_steps=6", "base_num_kv_heads=4"]
+  _, ref = run_train(tmp_path, "mesh_ref", *common, "per_device_batch_size=1", env=eight)
+  _ok(run_train(tmp_path, "mesh", "steps=4", *common[1:], "per_device_batch_size=1", env=eight, metrics_name="m8")[0])
+  # 8 devices of fsdp -> 4 devices of tensor parallelism, same global batch of 8 rows.
+  result, metrics = run_train(
+    tmp_path,
+    "mesh",
+    *common,
+    "per_device_batch_size=2",
+    "ici_fsdp_parallelism=1",
+    "ici_tensor_parallelism=4",
+    env=four,
+    metrics_name="m4",
+  )
+  _ok(result)
+  assert "Restored the checkpoint of step 3" in result.stdout
+  assert [m["step"] for m in metrics] == [4, 5]
+  np.testing.assert_allclose(_losses(metrics), _losses(ref)[4:], rtol=1e-5)
