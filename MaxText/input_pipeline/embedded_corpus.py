@@ -8,10 +8,14 @@ EVAL_EVERY-th document is held out for eval. The text, and so the losses, depend
 
 import ast
 import functools
+import hashlib
+import json
 import os
+import sys
 import sysconfig
 
 EVAL_EVERY = 50
+_CORPUS_VERSION = 1  # bump when the extraction below changes
 _MIN_DOCSTRING_CHARS = 200
 # Test suites and tool packages hold few docstrings and much noise; site-packages is not the stdlib.
 _SKIPPED_DIRS = {
@@ -45,14 +49,40 @@ def _stdlib_docstrings(stdlib_dir: str) -> list[str]:
   return docs
 
 
-@functools.cache
-def documents() -> tuple[str, ...]:
-  """All distinct documents of the corpus, in a fixed order."""
+def _build() -> list[str]:
   from pydoc_data import topics  # pylint: disable=import-outside-toplevel
 
   pages = [topics.topics[name] for name in sorted(topics.topics)]
   # dict.fromkeys drops repeated texts (some docstrings are copied between modules) and keeps the order.
-  return tuple(dict.fromkeys(pages + _stdlib_docstrings(sysconfig.get_paths()["stdlib"])))
+  return list(dict.fromkeys(pages + _stdlib_docstrings(sysconfig.get_paths()["stdlib"])))
+
+
+def _cache_path() -> str:
+  """Parsing the stdlib takes seconds, so the corpus is cached per Python build (and per version of this code)."""
+  key = hashlib.sha256(f"{_CORPUS_VERSION} {sys.version} {sysconfig.get_paths()['stdlib']}".encode()).hexdigest()[:16]
+  cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(cache_home, "maxtext", f"embedded_corpus-{key}.json")
+
+
+@functools.cache
+def documents() -> tuple[str, ...]:
+  """All distinct documents of the corpus, in a fixed order."""
+  path = _cache_path()
+  try:
+    with open(path, encoding="utf-8") as f:
+      return tuple(json.load(f))
+  except (OSError, ValueError):
+    pass
+  docs = _build()
+  try:  # The cache is only an optimisation: an unwritable home directory is fine.
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+      json.dump(docs, f)
+    os.replace(tmp, path)
+  except OSError:
+    pass
+  return tuple(docs)
 
 
 def split_documents(split: str) -> list[str]:

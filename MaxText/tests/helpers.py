@@ -4,12 +4,16 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 from MaxText import pyconfig
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASE_YML = os.path.join(REPO_ROOT, "MaxText", "configs", "base.yml")
 TRAIN_PY = os.path.join(REPO_ROOT, "MaxText", "train.py")
+
+# One compilation cache for all test processes: the same tiny programs compile once per machine.
+TEST_JAX_CACHE_DIR = os.path.join(tempfile.gettempdir(), "maxtext_test_jax_cache")
 
 # A model small enough that a train step takes milliseconds on a CPU.
 TINY_MODEL = [
@@ -23,7 +27,7 @@ TINY_MODEL = [
   "max_target_length=32",
   "per_device_batch_size=2",
   "dtype=float32",
-  "jax_cache_dir=",
+  f"jax_cache_dir={TEST_JAX_CACHE_DIR}",
   "enable_tensorboard=false",
 ]
 
