@@ -17,7 +17,7 @@ REMAT_POLICIES = (
 )
 MLP_ACTIVATIONS = ("silu", "swish", "gelu", "relu", "tanh", "sigmoid", "linear")
 DTYPES = ("float32", "bfloat16", "float16")
-DATASET_TYPES = ("embedded", "synthetic")
+DATASET_TYPES = ("embedded", "synthetic", "tfds", "grain", "hf")
 OPTIMIZERS = ("adamw",)
 HARDWARE = ("auto", "cpu", "gpu", "gpu_multiprocess", "tpu")
 

@@ -146,6 +146,35 @@ def _check_paths(v):
     raise ConfigError("load_parameters_path and load_full_state_path are both set; give at most one")
 
 
+def _check_data(v):
+  if v["num_epoch"] != -1 and v["num_epoch"] < 1:
+    raise ConfigError(f"num_epoch={v['num_epoch']} must be a positive integer, or -1 to repeat forever")
+  if v["grain_worker_count"] < 0:
+    raise ConfigError(f"grain_worker_count={v['grain_worker_count']} must be >= 0")
+  if v["eval_per_device_batch_size"] < 0:
+    raise ConfigError(
+      f"eval_per_device_batch_size={v['eval_per_device_batch_size']} must be >= 0 (0: per_device_batch_size)"
+    )
+  if v["eval_steps"] == 0 or v["eval_steps"] < -1:
+    raise ConfigError(f"eval_steps={v['eval_steps']} must be positive, or -1 for the whole eval split")
+  if v["target_eval_loss"] < 0:
+    raise ConfigError(f"target_eval_loss={v['target_eval_loss']} must be >= 0 (0: no early stop)")
+  kind = v["dataset_type"]
+  if kind == "grain" and not v["grain_train_files"]:
+    raise ConfigError("dataset_type=grain needs grain_train_files (';'-separated globs of ArrayRecord files)")
+  if kind == "hf" and not v["hf_path"]:
+    raise ConfigError("dataset_type=hf needs hf_path, e.g. hf_path=parquet hf_train_files=/data/*.parquet")
+  if v["eval_interval"] > 0:
+    if kind == "synthetic":
+      raise ConfigError("eval_interval > 0 needs real data: dataset_type=synthetic has no eval split")
+    if kind == "grain" and not v["grain_eval_files"]:
+      raise ConfigError("eval_interval > 0 with dataset_type=grain needs grain_eval_files")
+    if kind == "hf" and not (v["hf_eval_files"] or v["hf_eval_split"]):
+      raise ConfigError("eval_interval > 0 with dataset_type=hf needs hf_eval_files or hf_eval_split")
+  elif v["target_eval_loss"] > 0:
+    raise ConfigError(f"target_eval_loss={v['target_eval_loss']} needs eval_interval > 0")
+
+
 def _check_checkpointing(v):
   if v["checkpoint_period"] < 1:
     raise ConfigError(f"checkpoint_period={v['checkpoint_period']} must be a positive integer")
@@ -162,3 +191,4 @@ def validate_static(values: dict) -> None:
   _check_mesh(values)
   _check_paths(values)
   _check_checkpointing(values)
+  _check_data(values)

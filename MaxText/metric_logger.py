@@ -63,18 +63,31 @@ class MetricLogger:
     """Restarts the step clock (e.g. after a blocking checkpoint save or eval, which is not step time)."""
     self._last_completion = time.time()
 
-  def record(self, step: int, metrics) -> None:
-    """Buffers `metrics` (device arrays) of `step` and writes the previously buffered step."""
+  def record(self, step: int, metrics) -> dict | None:
+    """Buffers `metrics` (device arrays) of `step`, writes the previously buffered step and returns its
+    host metrics (None if there was none)."""
     previous, self._pending = self._pending, (step, metrics)
-    if previous is not None:
-      self._write(*previous)
+    return self._write(*previous) if previous is not None else None
 
-  def flush(self) -> None:
-    """Writes the buffered step now (end of training, before a checkpoint or eval)."""
+  def flush(self) -> dict | None:
+    """Writes the buffered step now (end of training, before a checkpoint or eval); returns its host metrics."""
+    written = None
     if self._pending is not None:
       pending, self._pending = self._pending, None
-      self._write(*pending)
+      written = self._write(*pending)
     if self.writer is not None:
+      self.writer.flush()
+    return written
+
+  def write_eval(self, step: int, metrics: dict) -> None:
+    max_logging.log(
+      f"eval after step {step}: eval_loss={metrics['eval/loss']:.4f}, perplexity={metrics['eval/perplexity']:.3f}, "
+      f"eval_steps={metrics['eval/steps']}, total_weights={int(metrics['eval/total_weights'])}, "
+      f"seconds={metrics['eval/seconds']:.3f}"
+    )
+    if self.writer is not None:
+      for name, value in metrics.items():
+        self.writer.add_scalar(name, value, step)
       self.writer.flush()
 
   def _perf_metrics(self, seconds: float) -> dict:
@@ -95,8 +108,10 @@ class MetricLogger:
       return None
     return float(np.median(self._recent_step_times)) * (self.config.steps - 1 - step)
 
-  def _write(self, step: int, device_metrics) -> None:
+  def _write(self, step: int, device_metrics) -> dict:
     host = {k: float(v) for k, v in jax.device_get(device_metrics).items()}  # blocks on this step only
+    if host["learning/total_weights"] == 0:
+      return host  # all padding: the data is used up and the step changed nothing
     now = time.time()
     seconds = max(now - self._last_completion, 1e-9)
     self._last_completion = now
@@ -109,6 +124,7 @@ class MetricLogger:
     if self._metrics_file is not None:
       self._metrics_file.write(json.dumps({"step": float(step), "run_name": self.config.run_name, **host}) + "\n")
       self._metrics_file.flush()
+    return host
 
   def _log_line(self, step: int, m: dict) -> None:
     line = (

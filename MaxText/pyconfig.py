@@ -27,6 +27,8 @@ class Config:
     object.__setattr__(self, "_sources", dict(sources))
 
   def __getattr__(self, key):
+    if key.startswith("__"):  # pickle and copy probe dunder methods before the values exist
+      raise AttributeError(key)
     try:
       return self._values[key]
     except KeyError:
@@ -86,7 +88,7 @@ def _scaled_dims(values, sources):
 
 
 def resolve_asset_path(path: str, config_path: str) -> str | None:
-  """Finds a file given relative to the cwd, the MaxText package or the config's directory."""
+  """Finds a file (or directory) given relative to the cwd, the MaxText package or the config's directory."""
   if not path or _is_remote(path):
     return path
   candidates = [path]
@@ -96,7 +98,7 @@ def resolve_asset_path(path: str, config_path: str) -> str | None:
       os.path.join(os.path.dirname(os.path.abspath(config_path)), path),
     ]
   for candidate in candidates:
-    if os.path.isfile(candidate):
+    if os.path.exists(candidate):
       return os.path.abspath(candidate)
   return None
 
@@ -122,7 +124,7 @@ def _derive_static(values, sources, environ):
     _set(values, sources, "steps", values["learning_rate_schedule_steps"])
   if values["jax_cache_dir"] and not _is_remote(values["jax_cache_dir"]):
     _set(values, sources, "jax_cache_dir", os.path.expanduser(values["jax_cache_dir"]))
-  if values["dataset_type"] != "synthetic":
+  if values["dataset_type"] != "synthetic" and (values["tokenize_train_data"] or values["tokenize_eval_data"]):
     found = resolve_asset_path(values["tokenizer_path"], values["config_path"])
     if found is None:
       raise ConfigError(
@@ -196,6 +198,15 @@ def _derive_device_values(values, sources, devices):
       f"per_device_batch_size={pdbs} gives {micro_load} rows per microbatch, which cannot be split evenly over the "
       f"{batch_shards} batch shards of data_sharding {list(values['data_sharding'][0])}"
     )
+  eval_pdbs = values["eval_per_device_batch_size"] or pdbs
+  eval_rows = num_devices * eval_pdbs
+  eval_load = int(round(eval_rows)) if eval_rows >= batch_shards else num_devices
+  if abs(eval_rows - round(eval_rows)) > 1e-6 or eval_load % batch_shards:
+    raise ConfigError(
+      f"eval_per_device_batch_size={eval_pdbs} x {num_devices} devices = {eval_rows:g} rows: it must be a whole number "
+      f"that the {batch_shards} batch shards split evenly"
+    )
+  _set(values, sources, "global_batch_size_to_load_eval", eval_load)
   ga = values["gradient_accumulation_steps"]
   _set(values, sources, "micro_batch_size_to_train_on", micro_train)
   _set(values, sources, "micro_batch_size_to_load", micro_load)

@@ -1,11 +1,13 @@
-"""Tokenizers from local files: SentencePiece models and tiktoken rank files. Nothing is downloaded.
+"""Tokenizers from local files: SentencePiece models, tiktoken rank files, Hugging Face tokenizer.json.
 
-The kind is chosen from the file: a path containing "tiktoken" is a tiktoken rank file (Llama 3 layout),
-anything else must be a SentencePiece model.
+The kind is chosen from the path: a name containing "tiktoken" is a tiktoken rank file (Llama 3 layout);
+a .json file, or a directory holding tokenizer.json, is a Hugging Face tokenizer; anything else must be
+a SentencePiece model. Nothing is downloaded.
 """
 
 import base64
 import functools
+import json
 import os
 
 from MaxText.errors import UserError
@@ -79,11 +81,62 @@ class TikTokenTokenizer:
     return self._enc.decode([int(i) for i in ids])
 
 
+# Special tokens that mark the start and end of a document in common tokenizer.json files.
+_BOS_NAMES = ("<s>", "<bos>", "<|begin_of_text|>", "<|startoftext|>", "[CLS]")
+_EOS_NAMES = ("</s>", "<eos>", "<|end_of_text|>", "<|endoftext|>", "[SEP]")
+
+
+class HuggingFaceTokenizer:
+  """A Hugging Face `tokenizers` tokenizer.json (a file, or a directory with tokenizer_config.json naming BOS/EOS)."""
+
+  def __init__(self, path: str, add_bos: bool, add_eos: bool):
+    from tokenizers import Tokenizer  # pylint: disable=import-outside-toplevel
+
+    directory = path if os.path.isdir(path) else os.path.dirname(path)
+    file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    try:
+      self._tok = Tokenizer.from_file(file)
+    except Exception as e:  # pylint: disable=broad-except  # the Rust library raises plain Exceptions
+      raise UserError(f"tokenizer_path={path} is not a Hugging Face tokenizer.json ({e})") from None
+    named = {}
+    config_file = os.path.join(directory, "tokenizer_config.json")
+    if os.path.isfile(config_file):
+      with open(config_file, encoding="utf-8") as f:
+        config = json.load(f)
+      for key in ("bos_token", "eos_token"):
+        token = config.get(key)
+        named[key] = token.get("content") if isinstance(token, dict) else token
+    vocab = self._tok.get_vocab(with_added_tokens=True)
+    self.bos_id = self._special_id(vocab, named.get("bos_token"), _BOS_NAMES)
+    self.eos_id = self._special_id(vocab, named.get("eos_token"), _EOS_NAMES)
+    for flag, token_id, what in ((add_bos, self.bos_id, "bos"), (add_eos, self.eos_id, "eos")):
+      if flag and token_id is None:
+        raise UserError(f"tokenizer_path={path} has no {what.upper()} token that MaxText recognises; set add_{what}=false")
+    self.add_bos, self.add_eos = add_bos, add_eos
+    self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+  @staticmethod
+  def _special_id(vocab, configured, candidates):
+    for token in ([configured] if configured else []) + list(candidates):
+      if token in vocab:
+        return vocab[token]
+    return None
+
+  def encode(self, text: str) -> list[int]:
+    ids = self._tok.encode(text, add_special_tokens=False).ids
+    return ([self.bos_id] if self.add_bos else []) + ids + ([self.eos_id] if self.add_eos else [])
+
+  def decode(self, ids) -> str:
+    return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
 @functools.cache
 def build_tokenizer(path: str, add_bos: bool = True, add_eos: bool = True):
-  """The tokenizer stored at `path` (a local file), adding BOS/EOS around each encoded text as asked."""
-  if not os.path.isfile(path):
+  """The tokenizer stored at `path` (a local file or directory), adding BOS/EOS around each text as asked."""
+  if not os.path.exists(path):
     raise UserError(f"tokenizer_path={path} does not exist")
+  if os.path.isdir(path) or path.endswith(".json"):
+    return HuggingFaceTokenizer(path, add_bos, add_eos)
   if "tiktoken" in os.path.basename(path):
     return TikTokenTokenizer(path, add_bos, add_eos)
   return SentencePieceTokenizer(path, add_bos, add_eos)

@@ -61,9 +61,9 @@ def train_loop(config):
 
 
 def _run_steps(config, mesh, model, state, state_shardings, data_iterator, manager):
-  """The step loop from state.step to config.steps, with metrics and checkpoints."""
+  """The step loop from state.step to config.steps, with metrics, checkpoints and evals."""
   # pylint: disable=import-outside-toplevel
-  from MaxText import checkpointing, max_logging, metric_logger, sharding, train_step
+  from MaxText import checkpointing, evaluation, max_logging, metric_logger, sharding, train_step
 
   start_step = int(state.step)
   if start_step >= config.steps:
@@ -73,30 +73,52 @@ def _run_steps(config, mesh, model, state, state_shardings, data_iterator, manag
     return state
   _log_run_start(config, state)
   p_train_step = train_step.jit_train_step(model, config, mesh, state_shardings)
+  p_eval_step = train_step.jit_eval_step(model, config, mesh, state_shardings) if config.eval_interval > 0 else None
   logger = metric_logger.MetricLogger(config, start_step, metric_logger.create_tensorboard_writer(config))
   watcher = checkpointing.PreemptionWatcher()
-  example_batch, stop = None, False
+  example_batch, stop_reason, last_saved = None, None, None
   with sharding.logical_context(mesh, config):
     for step in range(start_step, config.steps):
       if example_batch is None or not config.reuse_example_batch:
         example_batch = next(data_iterator)
       state, metrics = p_train_step(state, example_batch)
-      logger.record(step, metrics)
-      stop = watcher.should_stop(step)
-      if manager is not None and (step % config.checkpoint_period == 0 or step == config.steps - 1 or stop):
-        logger.flush()  # the step's metrics line is written before its checkpoint can commit
-        blocked = checkpointing.save_checkpoint(manager, step, state, data_iterator)
+      written = logger.record(step, metrics)
+      if written is not None and written["learning/total_weights"] == 0:
+        # Every process is out of data (num_epoch); the padding steps since then changed nothing.
+        stop_reason = f"the training data is used up (num_epoch={config.num_epoch})"
+      elif watcher.should_stop(step):
+        stop_reason = f"received {watcher.signal_name}"
+      if p_eval_step is not None and stop_reason is None and (step + 1) % config.eval_interval == 0:
+        logger.flush()
+        eval_metrics = evaluation.evaluate(config, mesh, p_eval_step, state.params)
+        logger.write_eval(step, eval_metrics)
         logger.reset_step_timer()
-        max_logging.log(f"Saving the checkpoint of step {step} (the loop waited {blocked:.3f} s)")
-      if stop:
+        if config.target_eval_loss > 0 and eval_metrics["eval/loss"] <= config.target_eval_loss:
+          stop_reason = f"the eval loss reached target_eval_loss={config.target_eval_loss}"
+      last_step = int(state.step) - 1 if stop_reason else step  # the last step that updated the weights
+      # (nothing new to save when it is the step this run started from)
+      periodic = step % config.checkpoint_period == 0 or step == config.steps - 1
+      if manager is not None and (periodic or stop_reason) and last_step != last_saved and last_step >= start_step:
+        logger.flush()  # the step's metrics line is written before its checkpoint can commit
+        blocked = checkpointing.save_checkpoint(manager, last_step, state, data_iterator)
+        last_saved = last_step
+        logger.reset_step_timer()
+        max_logging.log(f"Saving the checkpoint of step {last_step} (the loop waited {blocked:.3f} s)")
+      if stop_reason:
         break
   logger.close()
   watcher.close()
+  data_iterator.close()
   if manager is not None:
     manager.wait_until_finished()
-  if stop:
-    saved = f"saved the checkpoint of step {step} to {config.checkpoint_dir}" if manager else "checkpointing is disabled"
-    max_logging.log(f"Received {watcher.signal_name}: stopped after step {step} and {saved}.")
+  if stop_reason:
+    if manager is None:
+      saved = "checkpointing is disabled"
+    elif last_saved is None:
+      saved = "its checkpoint was already saved"
+    else:
+      saved = f"saved the checkpoint of step {last_saved} to {config.checkpoint_dir}"
+    max_logging.log(f"Stopping because {stop_reason}: the last step is {last_step}; {saved}.")
   else:
     max_logging.log(
       f"Training finished at step {config.steps - 1}. TensorBoard: tensorboard --logdir={config.tensorboard_dir}"

@@ -72,7 +72,9 @@ def train_step(model, config, state, batch):
   total_loss, total_weights, summed_grads = _summed_grads(model, config, state.params, batch, dropout_rng)
   denominator = jnp.maximum(total_weights, 1.0)  # An all-padding batch gives zero loss and no update.
   grads = jax.tree.map(lambda g: g / denominator, summed_grads)
-  new_state = state.apply_gradients(grads=grads)
+  # A batch of padding only (the data ran out on every process) must not move the weights (momentum,
+  # weight decay): skip the update, and do not count the step.
+  new_state = jax.lax.cond(total_weights > 0, lambda: state.apply_gradients(grads=grads), lambda: state)
 
   raw_grad_norm = optax.global_norm(grads)
   threshold = config.gradient_clipping_threshold

@@ -44,3 +44,6 @@ class SyntheticDataIterator:
 
   def set_state(self, state: dict) -> None:
     self._step = int(state["step"])
+
+  def close(self) -> None:
+    pass

@@ -65,7 +65,7 @@ def test_sigterm_saves_the_current_step_and_exits_zero(tmp_path, reference):
   stdout, stderr = proc.communicate(timeout=120)
   assert proc.returncode == 0, stderr[-3000:]
   last = int(read_metrics(metrics_path)[-1]["step"])
-  assert f"Received SIGTERM: stopped after step {last} and saved the checkpoint of step {last}" in stdout
+  assert f"Stopping because received SIGTERM: the last step is {last}; saved the checkpoint of step {last}" in stdout
   assert str(last) in os.listdir(tmp_path / "term" / "checkpoints")
   result, metrics = run_train(
     tmp_path, "term", "steps=10", "checkpoint_period=1000", "learning_rate_schedule_steps=10", metrics_name="term"

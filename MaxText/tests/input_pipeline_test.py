@@ -7,8 +7,11 @@ import numpy as np
 import pytest
 
 from MaxText import mesh
-from MaxText.input_pipeline import embedded_corpus, row_streams
-from MaxText.input_pipeline.input_pipeline_interface import create_data_iterator, tokenize_documents
+from MaxText.input_pipeline import embedded_corpus
+from MaxText.input_pipeline.batching import RowStreamBatcher
+from MaxText.input_pipeline.documents import shift_to_inputs_and_targets
+from MaxText.input_pipeline.input_pipeline_interface import create_data_iterator, document_decoder
+from MaxText.input_pipeline.packing import PackedStream, RandomAccessCursor
 from MaxText.tests.helpers import tiny_config
 
 ROWS, LENGTH = 4, 32
@@ -16,7 +19,7 @@ ROWS, LENGTH = 4, 32
 
 def _examples(config):
   docs = grain.MapDataset.source(embedded_corpus.split_documents("train")).shuffle(seed=0).repeat(None)
-  return tokenize_documents(docs, config)
+  return docs.map(document_decoder(config, True))
 
 
 def _take(iterator, n):
@@ -32,7 +35,7 @@ def test_corpus_is_real_text_and_splits_are_disjoint():
 
 def test_packed_rows_are_shifted_next_token_pairs():
   config = tiny_config()
-  batch = next(row_streams.RowStreamBatcher(_examples(config), ROWS, (0, ROWS), LENGTH))
+  batch = next(RowStreamBatcher(_examples(config), ROWS, range(ROWS), LENGTH))
   assert {k: v.shape for k, v in batch.items()} == {k: (ROWS, LENGTH) for k in batch}
   seg, pos = batch["inputs_segmentation"], batch["inputs_position"]
   assert (seg >= 1).all()  # an endless stream has no padding
@@ -46,9 +49,9 @@ def test_packed_rows_are_shifted_next_token_pairs():
 
 def test_rows_do_not_depend_on_how_processes_split_the_batch():
   config = tiny_config()
-  whole = _take(row_streams.RowStreamBatcher(_examples(config), ROWS, (0, ROWS), LENGTH), 3)
-  first = _take(row_streams.RowStreamBatcher(_examples(config), ROWS, (0, 2), LENGTH), 3)
-  second = _take(row_streams.RowStreamBatcher(_examples(config), ROWS, (2, 4), LENGTH), 3)
+  whole = _take(RowStreamBatcher(_examples(config), ROWS, range(ROWS), LENGTH), 3)
+  first = _take(RowStreamBatcher(_examples(config), ROWS, range(0, 2), LENGTH), 3)
+  second = _take(RowStreamBatcher(_examples(config), ROWS, range(2, 4), LENGTH), 3)
   for w, a, b in zip(whole, first, second):
     for key in w:
       np.testing.assert_array_equal(w[key], np.concatenate([a[key], b[key]]))
@@ -56,11 +59,11 @@ def test_rows_do_not_depend_on_how_processes_split_the_batch():
 
 def test_restored_state_resumes_exactly():
   config = tiny_config()
-  reference = row_streams.RowStreamBatcher(_examples(config), ROWS, (0, ROWS), LENGTH)
+  reference = RowStreamBatcher(_examples(config), ROWS, range(ROWS), LENGTH)
   _take(reference, 5)
   state = json.loads(json.dumps(reference.get_state()))  # as stored in a checkpoint
   expected = _take(reference, 4)
-  restored = row_streams.RowStreamBatcher(_examples(config), ROWS, (0, ROWS), LENGTH)
+  restored = RowStreamBatcher(_examples(config), ROWS, range(ROWS), LENGTH)
   restored.set_state(state)
   for e, r in zip(expected, _take(restored, 4)):
     for key in e:
@@ -93,7 +96,7 @@ def test_synthetic_iterator_is_deterministic_and_resumable():
 
 def test_finite_stream_pads_its_last_row_then_stops():
   docs = [np.arange(1, 11), np.arange(20, 22), np.arange(30, 31)]  # 9, 1 and 0 next-token pairs
-  stream = row_streams.PackedStream(grain.MapDataset.source(docs).map(row_streams.shift_to_inputs_and_targets), 8)
+  stream = PackedStream(RandomAccessCursor(grain.MapDataset.source(docs).map(shift_to_inputs_and_targets)), 8)
   first, second = stream.next_row(), stream.next_row()
   np.testing.assert_array_equal(first["inputs"], np.arange(1, 9))
   np.testing.assert_array_equal(second["inputs"], [9, 20, 0, 0, 0, 0, 0, 0])
@@ -102,3 +105,21 @@ def test_finite_stream_pads_its_last_row_then_stops():
   np.testing.assert_array_equal(second["inputs_position"], [0, 0, 0, 0, 0, 0, 0, 0])
   with pytest.raises(StopIteration):
     stream.next_row()
+
+
+def test_without_packing_each_row_is_one_cut_document():
+  docs = [np.arange(1, 13), np.arange(20, 23)]  # 11 and 2 next-token pairs
+  stream = PackedStream(RandomAccessCursor(grain.MapDataset.source(docs).map(shift_to_inputs_and_targets)), 8, packing=False)
+  first, second = stream.next_row(), stream.next_row()
+  np.testing.assert_array_equal(first["inputs"], np.arange(1, 9))  # cut to the row
+  np.testing.assert_array_equal(second["inputs"], [20, 21, 0, 0, 0, 0, 0, 0])
+  np.testing.assert_array_equal(second["inputs_segmentation"], [1, 1, 0, 0, 0, 0, 0, 0])
+
+
+def test_rows_that_run_out_become_padding_until_all_have():
+  docs = [np.arange(1, 20), np.arange(30, 33)]  # row 0 gets 18 pairs, row 1 gets 2
+  batcher = RowStreamBatcher(grain.MapDataset.source(docs).map(shift_to_inputs_and_targets), 2, range(2), 8)
+  batches = list(batcher)
+  assert len(batches) == 3
+  assert batches[0]["inputs_segmentation"][1].sum() == 2 and not batches[1]["inputs_segmentation"][1].any()
+  assert batches[2]["inputs_segmentation"][0].sum() == 2

@@ -1,0 +1,185 @@
+"""A process's rows of each global batch, from random-access or sequential document sources.
+
+Random access (embedded corpus, Grain ArrayRecord, TFDS ArrayRecord): row j of every global batch is the
+next packed row of stream j, which holds documents j, j+R, j+2R, ... of the shuffled dataset (R = rows
+of the global batch). A process builds only the streams of its rows: processes read disjoint
+documents, the global batch does not depend on the number of processes, and a state of a few integers
+per row resumes exactly. `num_workers` processes can share the rows of a process.
+
+Sequential (TFDS TFRecord, Hugging Face streaming): one packed stream per process, over that process's
+shard of the data, fills the process's rows batch after batch.
+"""
+
+import multiprocessing
+import queue
+
+import numpy as np
+
+from MaxText.errors import UserError
+from MaxText.input_pipeline.packing import BATCH_KEYS, PackedStream, RandomAccessCursor, StreamCursor
+
+
+def _stack(rows: list[dict]) -> dict:
+  return {k: np.stack([row[k] for row in rows]) for k in BATCH_KEYS}
+
+
+class RowStreamBatcher:
+  """The given rows of R-row global batches, one packed stream per row."""
+
+  def __init__(self, documents, num_rows: int, rows, seq_len: int, packing: bool = True):
+    self._num_rows = num_rows
+    self._rows = list(rows)
+    self._streams = [PackedStream(RandomAccessCursor(documents[row::num_rows]), seq_len, packing) for row in self._rows]
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict:
+    """A row whose stream has run out is padding; raises StopIteration once every row has run out."""
+    rows, padding = [], None
+    for stream in self._streams:
+      try:
+        rows.append(stream.next_row())
+      except StopIteration:
+        rows.append(None)
+    if all(row is None for row in rows):
+      raise StopIteration
+    padding = {k: np.zeros_like(next(r for r in rows if r is not None)[k]) for k in BATCH_KEYS}
+    return _stack([row if row is not None else padding for row in rows])
+
+  def get_state(self) -> dict:
+    """{"num_rows": R, "rows": {global row: stream state}}; a checkpoint unions the rows of all processes."""
+    return {"num_rows": self._num_rows, "rows": {str(r): s.get_state() for r, s in zip(self._rows, self._streams)}}
+
+  def set_state(self, state: dict) -> None:
+    if state.get("num_rows") != self._num_rows or any(str(r) not in state.get("rows", {}) for r in self._rows):
+      raise UserError(
+        f"the checkpoint's data position is for a global batch of {state.get('num_rows')} rows, this run loads "
+        f"{self._num_rows}: resume with the same devices x per_device_batch_size x gradient_accumulation_steps"
+      )
+    for row, stream in zip(self._rows, self._streams):
+      stream.set_state(state["rows"][str(row)])
+
+
+class StreamBatcher:
+  """This process's rows of each batch, filled in order from one packed stream of its data shard."""
+
+  def __init__(self, open_stream, num_epochs: int, local_rows: int, seq_len: int, packing: bool = True):
+    self._stream = PackedStream(StreamCursor(open_stream, num_epochs), seq_len, packing)
+    self._local_rows = local_rows
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict:
+    rows = []
+    for _ in range(self._local_rows):
+      try:
+        rows.append(self._stream.next_row())
+      except StopIteration:
+        if not rows:
+          raise
+        rows.append({k: np.zeros_like(rows[0][k]) for k in BATCH_KEYS})  # the last batch is padded
+    return _stack(rows)
+
+  def get_state(self) -> dict:
+    return {"stream": self._stream.get_state()}
+
+  def set_state(self, state: dict) -> None:
+    self._stream.set_state(state["stream"])
+
+
+def _row_worker(make_batcher, state, out: multiprocessing.Queue, stop) -> None:
+  """Worker process: runs a RowStreamBatcher over some rows and sends (batch, state) until told to stop."""
+  try:
+    batcher = make_batcher()
+    if state is not None:
+      batcher.set_state(state)
+    for batch in batcher:
+      item = (batch, batcher.get_state())
+      while not stop.is_set():
+        try:
+          out.put(item, timeout=0.1)
+          break
+        except queue.Full:
+          continue
+      if stop.is_set():
+        return
+    out.put(("end", None))
+  except Exception as e:  # pylint: disable=broad-except  # re-raised in the parent
+    out.put(("error", f"{type(e).__name__}: {e}"))
+
+
+class WorkerRowStreamBatcher:
+  """RowStreamBatcher whose rows are split over `num_workers` processes (tokenisation in parallel).
+
+  make_batcher(rows) must be a picklable callable building the RowStreamBatcher of some global rows.
+  """
+
+  def __init__(self, make_batcher, rows, num_workers: int, prefetch: int = 2):
+    rows = list(rows)
+    self._all_rows = rows
+    self._parts = [rows[i::num_workers] for i in range(num_workers) if rows[i::num_workers]]
+    self._make, self._prefetch = make_batcher, prefetch
+    self._state = {"num_rows": None, "rows": {}}
+    self._workers, self._queues, self._stop = [], [], None
+    self._restore = None
+
+  def _start(self):
+    ctx = multiprocessing.get_context("spawn")  # fork is unsafe once JAX has started threads
+    self._stop = ctx.Event()
+    for part in self._parts:
+      q = ctx.Queue(maxsize=self._prefetch)
+      make = _PartBatcher(self._make, part)
+      worker = ctx.Process(target=_row_worker, args=(make, self._restore, q, self._stop), daemon=True)
+      worker.start()
+      self._workers.append(worker)
+      self._queues.append(q)
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict:
+    if not self._workers:
+      self._start()
+    parts = []
+    for q in self._queues:
+      batch, state = q.get()
+      if isinstance(batch, str):
+        if batch == "error":
+          raise RuntimeError(f"data worker failed: {state}")
+        raise StopIteration
+      parts.append((batch, state))
+    rows = {}
+    for part, (batch, state) in zip(self._parts, parts):
+      self._state["num_rows"] = state["num_rows"]
+      self._state["rows"].update(state["rows"])
+      for i, row in enumerate(part):
+        rows[row] = {k: batch[k][i] for k in BATCH_KEYS}
+    return _stack([rows[r] for r in sorted(rows)])
+
+  def get_state(self) -> dict:
+    if self._state["num_rows"] is not None:
+      return self._state
+    return self._restore if self._restore is not None else self._make(self._all_rows).get_state()
+
+  def set_state(self, state: dict) -> None:
+    self._restore = state
+
+  def close(self) -> None:
+    if self._stop is not None:
+      self._stop.set()
+    for worker in self._workers:
+      worker.join(timeout=5)
+      if worker.is_alive():
+        worker.terminate()
+
+
+class _PartBatcher:
+  """Picklable: builds the batcher of some rows in a worker."""
+
+  def __init__(self, make_batcher, rows):
+    self.make_batcher, self.rows = make_batcher, rows
+
+  def __call__(self):
+    return self.make_batcher(self.rows)
