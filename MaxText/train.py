@@ -56,6 +56,7 @@ def train_loop(config):
       data_iterator.set_state(data_state)
     return _run_steps(config, mesh, model, state, state_shardings, data_iterator, manager)
   finally:
+    data_iterator.close()
     if manager is not None:
       manager.close()  # waits for a save in flight, also when the loop failed
 
@@ -108,7 +109,6 @@ def _run_steps(config, mesh, model, state, state_shardings, data_iterator, manag
         break
   logger.close()
   watcher.close()
-  data_iterator.close()
   if manager is not None:
     manager.wait_until_finished()
   if stop_reason:

@@ -9,7 +9,7 @@ all-padding batches (no loss), so that every process keeps stepping until all ar
 import grain
 import jax
 
-from MaxText import sharding
+from MaxText import max_logging, sharding
 from MaxText.errors import UserError
 from MaxText.input_pipeline import embedded_corpus, grain_source, hf_source, tfds_source
 from MaxText.input_pipeline.batching import RowStreamBatcher, StreamBatcher, WorkerRowStreamBatcher
@@ -69,6 +69,9 @@ class RandomAccessRows:
 def _local_batcher(config, mesh, train: bool, num_rows: int):
   """The iterator of this process's rows of each global batch."""
   start, stop = process_row_range(sharding.data_sharding(config, mesh), (num_rows, config.max_target_length))
+  max_logging.log(
+    f"Process {jax.process_index()} loads rows [{start}, {stop}) of each {num_rows}-row {'train' if train else 'eval'} batch"
+  )
   if _is_random_access(config, train):
     factory = RandomAccessRows(config, train, num_rows)
     if train and config.grain_worker_count > 0:

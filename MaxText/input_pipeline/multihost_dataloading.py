@@ -1,5 +1,6 @@
 """Per-process numpy batches -> global jax.Arrays on the data sharding, prefetched in a background thread."""
 
+import copy
 import queue
 import threading
 
@@ -59,7 +60,8 @@ class GlobalBatchIterator:
       for local_batch in self._local:
         local_rows = len(local_batch["inputs"])
         produced += 1
-        if not self._put((self._to_global(local_batch), self._local.get_state())):
+        # A copy: the local iterator may keep changing the same state object as it reads ahead.
+        if not self._put((self._to_global(local_batch), copy.deepcopy(self._local.get_state()))):
           return
       if produced == 0 and not self._restored:
         raise UserError(f"the {self._name} data yields no tokens (empty dataset, or only empty documents?)")
@@ -98,6 +100,9 @@ class GlobalBatchIterator:
     self._restored = True
 
   def close(self) -> None:
+    """Stops the prefetch thread; waits for it, so that no thread is inside a data library at exit."""
     self._closed.set()
+    if self._thread is not None:
+      self._thread.join(timeout=60)
     if hasattr(self._local, "close"):
       self._local.close()

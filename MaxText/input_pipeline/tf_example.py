@@ -6,7 +6,7 @@ bytes are exactly TensorFlow's (tests check both ways against TensorFlow itself)
 
 import functools
 
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf import descriptor_pb2, descriptor_pool, message, message_factory
 
 _PACKAGE = "tensorflow"
 _LABEL_REPEATED = descriptor_pb2.FieldDescriptorProto.LABEL_REPEATED
@@ -69,9 +69,12 @@ def _classes():
 
 
 def parse(serialized: bytes) -> dict:
-  """{feature name: list of bytes, floats or ints} of a serialized tf.train.Example."""
+  """{feature name: list of bytes, floats or ints} of a serialized tf.train.Example ({} if it is none)."""
   example_cls, _ = _classes()
-  example = example_cls.FromString(serialized)
+  try:
+    example = example_cls.FromString(serialized)
+  except message.DecodeError:
+    return {}
   out = {}
   for name, feature in example.features.feature.items():
     kind = feature.WhichOneof("kind")

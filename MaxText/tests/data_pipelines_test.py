@@ -1,0 +1,221 @@
+"""tfds (TFRecord and ArrayRecord), grain and hf pipelines on small local datasets built by the tests."""
+
+import base64
+import json
+
+import numpy as np
+import pytest
+
+from MaxText import mesh
+from MaxText.input_pipeline import input_pipeline_interface, sample_datasets
+from MaxText.tests.helpers import run_python, run_train, tiny_config
+from MaxText.tokenizer import build_tokenizer
+
+LIMIT = 300  # documents per split: enough for the tests, quick to prepare
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+  root = tmp_path_factory.mktemp("data")
+  flags = sample_datasets.write_all(str(root), limit=LIMIT)
+  return root, {kind: value.split() for kind, value in flags.items()}
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory, data):
+  """{kind: tokenizer path}: the shipped SentencePiece model, a byte-level tiktoken file, a trained tokenizer.json."""
+  root = tmp_path_factory.mktemp("tokenizers")
+  tiktoken_path = root / "bytes.tiktoken"
+  tiktoken_path.write_text("".join(f"{base64.b64encode(bytes([b])).decode()} {b}\n" for b in range(256)))
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # pylint: disable=import-outside-toplevel
+
+  hf = Tokenizer(models.BPE())
+  hf.pre_tokenizer = pre_tokenizers.ByteLevel()
+  hf.decoder = decoders.ByteLevel()
+  hf.train_from_iterator(
+    sample_datasets.split_texts("train", LIMIT), trainers.BpeTrainer(vocab_size=600, special_tokens=["<s>", "</s>"])
+  )
+  hf_path = root / "tokenizer.json"
+  hf.save(str(hf_path))
+  return {"sentencepiece": tiny_config().tokenizer_path, "tiktoken": str(tiktoken_path), "huggingface": str(hf_path)}
+
+
+KINDS = ["tfds (TFRecord)", "tfds (ArrayRecord)", "grain (TFDS files)", "grain", "hf (Parquet)"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_dataset_type_trains(tmp_path, data, kind):
+  _, flags = data
+  extra = ["eval_interval=2", "eval_steps=2"] if kind in ("grain", "hf (Parquet)", "tfds (TFRecord)") else []
+  result, metrics = run_train(tmp_path, "data", "steps=3", *flags[kind], *extra)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert len(metrics) == 3 and all(m["learning/total_weights"] == 64 for m in metrics)
+  if extra:
+    assert "eval after step 1: eval_loss=" in result.stdout
+
+
+def test_grain_reads_the_array_record_files_tfds_wrote_in_the_same_order(tmp_path, data):
+  _, flags = data
+  _, tfds_metrics = run_train(tmp_path, "tfds", "steps=3", *flags["tfds (ArrayRecord)"])
+  _, grain_metrics = run_train(tmp_path, "grain", "steps=3", *flags["grain (TFDS files)"])
+  assert [m["learning/loss"] for m in grain_metrics] == [m["learning/loss"] for m in tfds_metrics]
+
+
+def _config(flags, *extra):
+  return tiny_config(*flags, "per_device_batch_size=4", *extra)
+
+
+@pytest.mark.parametrize("kind", ["embedded", *KINDS])
+@pytest.mark.parametrize("tokenizer", ["sentencepiece", "tiktoken", "huggingface"])
+def test_every_dataset_type_with_every_tokenizer(data, tokenizers, kind, tokenizer):
+  _, flags = data
+  config = _config(flags.get(kind, []), f"tokenizer_path={tokenizers[tokenizer]}", "enable_data_shuffling=false")
+  iterator = input_pipeline_interface.create_data_iterator(config, mesh.create_device_mesh(config))
+  batch = {k: np.asarray(v) for k, v in next(iterator).items()}
+  iterator.close()
+  tok = build_tokenizer(config.tokenizer_path, False, False)
+  first = batch["inputs"][0][batch["inputs_segmentation"][0] == 1]
+  assert first[0] == tok.bos_id
+  assert tok.decode(first[1:20]).strip()[:10] in " ".join(
+    sample_datasets.split_texts("train", None if kind == "embedded" else LIMIT)
+  )
+
+
+def _take(iterator, n):
+  return [{k: np.asarray(v) for k, v in next(iterator).items()} for _ in range(n)]
+
+
+@pytest.mark.parametrize("kind,shuffle", [("grain", True), ("tfds (TFRecord)", True), ("hf (Parquet)", False)])
+def test_resume_is_exact(data, kind, shuffle):
+  _, flags = data
+  config = _config(flags[kind], f"enable_data_shuffling={shuffle}")
+  device_mesh = mesh.create_device_mesh(config)
+  reference = input_pipeline_interface.create_data_iterator(config, device_mesh)
+  _take(reference, 3)
+  state = json.loads(json.dumps(reference.get_state()))
+  expected = _take(reference, 3)
+  restored = input_pipeline_interface.create_data_iterator(config, device_mesh)
+  restored.set_state(state)
+  for e, r in zip(expected, _take(restored, 3)):
+    for key in e:
+      np.testing.assert_array_equal(e[key], r[key])
+  reference.close()
+  restored.close()
+
+
+def test_eval_starts_from_the_beginning_every_time(data):
+  _, flags = data
+  config = _config(flags["grain"], "eval_interval=1", "eval_steps=3")
+  device_mesh = mesh.create_device_mesh(config)
+  first = _take(input_pipeline_interface.create_eval_iterator(config, device_mesh), 3)
+  again = _take(input_pipeline_interface.create_eval_iterator(config, device_mesh), 3)
+  for a, b in zip(first, again):
+    np.testing.assert_array_equal(a["inputs"], b["inputs"])
+
+
+def test_target_eval_loss_stops_training(tmp_path, data):
+  _, flags = data
+  result, metrics = run_train(
+    tmp_path, "target", "steps=20", *flags["grain"], "eval_interval=2", "eval_steps=1", "target_eval_loss=100"
+  )
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert "Stopping because the eval loss reached target_eval_loss=100.0" in result.stdout
+  assert len(metrics) == 2
+
+
+def test_running_out_of_data_stops_cleanly(tmp_path, data):
+  _, flags = data
+  result, metrics = run_train(
+    tmp_path, "epochs", "steps=100000", *flags["hf (Parquet)"], "num_epoch=2", "per_device_batch_size=64"
+  )
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert "the training data is used up (num_epoch=2)" in result.stdout
+  assert 2 < len(metrics) < 100000 and all(m["learning/total_weights"] > 0 for m in metrics)
+
+
+@pytest.mark.parametrize(
+  "flags,expected",
+  [
+    (
+      ["dataset_type=grain", "grain_train_files=/no/such/*.array_record"],
+      "grain_train_files: '/no/such/*.array_record' matches no file",
+    ),
+    (
+      ["dataset_type=hf", "hf_path=parquet", "hf_train_files=/no/such.parquet"],
+      "hf_train_files: '/no/such.parquet' matches no file",
+    ),
+    (
+      ["dataset_type=tfds", "dataset_path=/no/such", "dataset_name=c4/en:3.1.0"],
+      "is not prepared under dataset_path=/no/such",
+    ),
+  ],
+)
+def test_missing_data_is_a_clear_error(tmp_path, flags, expected):
+  result, _ = run_train(tmp_path, "missing", "steps=2", *flags)
+  assert result.returncode == 2 and "Traceback" not in result.stderr
+  assert expected in result.stderr.strip().splitlines()[-1]
+
+
+def test_missing_column_and_empty_dataset_are_clear_errors(tmp_path, data):
+  _, flags = data
+  result, _ = run_train(tmp_path, "column", "steps=2", *flags["grain"], "train_data_column=body")
+  assert result.returncode == 2 and "records have no column 'body' (they have: text)" in result.stderr
+  empty = sample_datasets.write_array_records(str(tmp_path / "empty"), [], num_shards=1)
+  result, _ = run_train(tmp_path, "empty", "steps=2", "dataset_type=grain", f"grain_train_files={empty[0]}")
+  assert result.returncode == 2 and "holds no records" in result.stderr
+
+
+def test_invalid_utf8_and_long_documents_are_logged_not_fatal(tmp_path):
+  from array_record.python.array_record_module import ArrayRecordWriter  # pylint: disable=import-outside-toplevel
+
+  path = str(tmp_path / "raw.array_record")
+  writer = ArrayRecordWriter(path, "group_size:1")
+  for i in range(20):
+    writer.write(b"caf\xe9 au lait \xff " * (50 if i % 2 else 1) + f"document {i}".encode())
+  writer.close()
+  result, metrics = run_train(tmp_path, "raw", "steps=2", "dataset_type=grain", f"grain_train_files={path}", "packing=false")
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert "invalid UTF-8" in result.stderr and "is cut to max_target_length=32" in result.stderr
+  assert len(metrics) == 2
+
+
+def test_preprocess_then_train_on_token_ids(tmp_path, data):
+  root, _ = data
+  result = run_python(
+    [
+      "MaxText/preprocess_data.py",
+      "--input",
+      f"{root}/hf/*.parquet",
+      "--output_prefix",
+      str(tmp_path / "tok" / "train"),
+      "--num_shards",
+      "2",
+    ]
+  )
+  assert result.returncode == 0, result.stderr[-2000:]
+  documents = len(sample_datasets.split_texts("train", LIMIT)) + len(sample_datasets.split_texts("eval", LIMIT))
+  assert f"Wrote {documents} documents" in result.stdout and "in 2 shards" in result.stdout
+  result, metrics = run_train(
+    tmp_path,
+    "tok",
+    "steps=2",
+    "dataset_type=grain",
+    f"grain_train_files={tmp_path}/tok/train.array_record-*",
+    "tokenize_train_data=false",
+  )
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert len(metrics) == 2
+
+
+def test_worker_processes_give_the_same_batches(data):
+  _, flags = data
+  config = _config(flags["grain"])
+  with_workers = _config(flags["grain"], "grain_worker_count=1")
+  device_mesh = mesh.create_device_mesh(config)
+  a = input_pipeline_interface.create_data_iterator(config, device_mesh)
+  b = input_pipeline_interface.create_data_iterator(with_workers, device_mesh)
+  for x, y in zip(_take(a, 3), _take(b, 3)):
+    np.testing.assert_array_equal(x["inputs"], y["inputs"])
+  assert b.get_state() == a.get_state()
+  a.close()
+  b.close()
