@@ -14,9 +14,16 @@ class ConfigError(UserError):
 
 
 def run_and_exit_on_user_error(main, argv) -> None:
-  """Runs an entry point's main(argv); a UserError becomes one line on stderr and exit status 2."""
+  """Runs an entry point's main(argv); a UserError becomes one line on stderr and exit status 2.
+
+  `-h`/`--help` prints the entry point's module docstring (its usage) instead.
+  """
   import sys  # pylint: disable=import-outside-toplevel
 
+  if len(argv) > 1 and argv[1] in ("-h", "--help"):
+    print((sys.modules[main.__module__].__doc__ or "").strip())
+    print("\nConfig keys and their defaults: MaxText/configs/base.yml; the README explains the config system.")
+    return
   try:
     main(argv)
   except UserError as e:

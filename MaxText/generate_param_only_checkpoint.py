@@ -20,12 +20,9 @@ from MaxText.errors import UserError, run_and_exit_on_user_error  # pylint: disa
 
 
 def _abstract_params(config, mesh):
-  from MaxText import optimizers, train_state  # pylint: disable=import-outside-toplevel
+  from MaxText import train_state  # pylint: disable=import-outside-toplevel
 
-  model = train_state.create_model(config)
-  tx = optimizers.create_optimizer(config, optimizers.create_learning_rate_schedule(config))
-  abstract, _ = train_state.get_abstract_state(model, tx, config, mesh)
-  return abstract.params
+  return train_state.build(config, mesh).abstract_state.params
 
 
 def _source_is_scanned(path: str) -> bool:

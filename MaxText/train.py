@@ -12,12 +12,13 @@ if __package__ in (None, ""):  # Run as `python3 MaxText/train.py`: import MaxTe
   sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from MaxText import pyconfig  # pylint: disable=wrong-import-position
-from MaxText.errors import run_and_exit_on_user_error  # pylint: disable=wrong-import-position
+from MaxText.errors import UserError, run_and_exit_on_user_error  # pylint: disable=wrong-import-position
+
+_CPU_TFLOPS = 0.1  # what the README quickstart reaches per device on 2 CPU cores
 
 
 def _log_run_start(config, state) -> None:
   import jax  # pylint: disable=import-outside-toplevel
-  from etils import epath  # pylint: disable=import-outside-toplevel
 
   from MaxText import flops, max_logging  # pylint: disable=import-outside-toplevel
 
@@ -27,34 +28,54 @@ def _log_run_start(config, state) -> None:
     f"process {jax.process_index()} of {jax.process_count()}"
   )
   max_logging.log("Config (value  # source):\n" + config.to_yaml())
-  if jax.process_index() == 0:
-    epath.Path(config.run_dir).mkdir(parents=True, exist_ok=True)
-    (epath.Path(config.run_dir) / "config.yml").write_text(config.to_yaml())
   num_params = sum(x.size for x in jax.tree.leaves(state.params))
   max_logging.log(f"Number of parameters: {num_params / 1e9:.6f} billion ({num_params:,})")
-  max_logging.log(flops.describe(flops.training_tflops_per_device(config)))
+  step_flops = flops.training_tflops_per_device(config)
+  max_logging.log(flops.describe(step_flops))
+  if jax.default_backend() == "cpu" and step_flops.total_tflops > 1:
+    max_logging.warn(
+      f"a step of this model needs {step_flops.total_tflops:.1f} TFLOPs per device; CPU devices do about "
+      f"{_CPU_TFLOPS} TFLOP/s, so expect about {step_flops.total_tflops / _CPU_TFLOPS:,.0f} s per step "
+      "(the README quickstart has CPU-sized model keys)"
+    )
+
+
+def _prepare_run_dir(config) -> None:
+  """Creates the run directory and writes the resolved config there, before any heavy work."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from etils import epath  # pylint: disable=import-outside-toplevel
+
+  if jax.process_index() != 0:
+    return
+  try:
+    epath.Path(config.run_dir).mkdir(parents=True, exist_ok=True)
+    (epath.Path(config.run_dir) / "config.yml").write_text(config.to_yaml())
+  except OSError as e:
+    raise UserError(f"cannot write the run directory {config.run_dir} (base_output_directory): {e.strerror or e}") from None
 
 
 def train_loop(config):
   """Trains until config.steps (or a SIGTERM/SIGINT) and returns the final train state."""
   # pylint: disable=import-outside-toplevel
-  from MaxText import checkpointing, optimizers, train_state
+  from MaxText import checkpointing, train_state
   from MaxText.input_pipeline.input_pipeline_interface import create_data_iterator
   from MaxText.mesh import create_device_mesh
 
+  _prepare_run_dir(config)
   mesh = create_device_mesh(config)
-  model = train_state.create_model(config)
-  tx = optimizers.create_optimizer(config, optimizers.create_learning_rate_schedule(config))
-  abstract_state, state_shardings = train_state.get_abstract_state(model, tx, config, mesh)
+  setup = train_state.build(config, mesh)
   data_iterator = create_data_iterator(config, mesh)
   manager = checkpointing.create_checkpoint_manager(config)
   try:
     state, data_state = checkpointing.initial_state(
-      config, manager, abstract_state, lambda: train_state.init_train_state(model, tx, config, mesh, state_shardings)
+      config,
+      manager,
+      setup.abstract_state,
+      lambda: train_state.init_train_state(setup.model, setup.tx, config, mesh, setup.state_shardings),
     )
     if data_state is not None:
       data_iterator.set_state(data_state)
-    return _run_steps(config, mesh, model, state, state_shardings, data_iterator, manager)
+    return _run_steps(config, mesh, setup.model, state, setup.state_shardings, data_iterator, manager)
   finally:
     data_iterator.close()
     if manager is not None:

@@ -1,13 +1,14 @@
 """The model and its train state, initialised directly onto their shardings (never whole on one device)."""
 
 import functools
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax.training import train_state
 
-from MaxText import sharding
+from MaxText import optimizers, sharding
 from MaxText.layers.models import Transformer
 
 
@@ -47,3 +48,20 @@ def init_train_state(model, tx, config, mesh, state_shardings) -> train_state.Tr
 
   with sharding.logical_context(mesh, config):
     return jax.jit(init, out_shardings=state_shardings)(jax.random.PRNGKey(config.init_weights_seed))
+
+
+class TrainSetup(NamedTuple):
+  """What every entry point builds from the config: the model, the optimizer and the state's layout."""
+
+  model: Transformer
+  tx: object  # optax.GradientTransformation
+  abstract_state: train_state.TrainState  # of jax.ShapeDtypeStruct
+  state_shardings: train_state.TrainState  # of NamedSharding
+
+
+def build(config, mesh) -> TrainSetup:
+  """The model, the optimizer (with its learning-rate schedule) and the abstract, sharded train state."""
+  model = create_model(config)
+  tx = optimizers.create_optimizer(config, optimizers.create_learning_rate_schedule(config))
+  abstract_state, state_shardings = get_abstract_state(model, tx, config, mesh)
+  return TrainSetup(model, tx, abstract_state, state_shardings)

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402  # pylint: disable=wrong-import-position
 import numpy as np  # noqa: E402  # pylint: disable=wrong-import-position
 
-from MaxText import flops, mesh, optimizers, pyconfig, sharding, train_state, train_step  # noqa: E402  # pylint: disable=wrong-import-position
+from MaxText import flops, mesh, pyconfig, sharding, train_state, train_step  # noqa: E402  # pylint: disable=wrong-import-position
 from MaxText.errors import run_and_exit_on_user_error  # noqa: E402  # pylint: disable=wrong-import-position
 from MaxText.input_pipeline.input_pipeline_interface import create_data_iterator  # noqa: E402  # pylint: disable=wrong-import-position
 
@@ -25,12 +25,12 @@ from MaxText.input_pipeline.input_pipeline_interface import create_data_iterator
 def benchmark(config, steps: int, warmup: int) -> dict:
   """Median seconds of `steps` train steps after `warmup` (compilation included in the first)."""
   device_mesh = mesh.create_device_mesh(config)
-  model = train_state.create_model(config)
-  tx = optimizers.create_optimizer(config, optimizers.create_learning_rate_schedule(config))
-  _, shardings = train_state.get_abstract_state(model, tx, config, device_mesh)
-  state = train_state.init_train_state(model, tx, config, device_mesh, shardings)
-  batch = next(create_data_iterator(config, device_mesh))
-  step_fn = train_step.jit_train_step(model, config, device_mesh, shardings)
+  setup = train_state.build(config, device_mesh)
+  state = train_state.init_train_state(setup.model, setup.tx, config, device_mesh, setup.state_shardings)
+  iterator = create_data_iterator(config, device_mesh)
+  batch = next(iterator)
+  iterator.close()
+  step_fn = train_step.jit_train_step(setup.model, config, device_mesh, setup.state_shardings)
   times = []
   with sharding.logical_context(device_mesh, config):
     for i in range(warmup + steps):

@@ -40,10 +40,8 @@ def _loss_and_grads(config, params, batch):
 
 def _state(config):
   device_mesh = mesh.create_device_mesh(config)
-  model = train_state.create_model(config)
-  tx = optimizers.create_optimizer(config, optimizers.create_learning_rate_schedule(config))
-  _, shardings = train_state.get_abstract_state(model, tx, config, device_mesh)
-  return model, train_state.init_train_state(model, tx, config, device_mesh, shardings)
+  setup = train_state.build(config, device_mesh)
+  return setup.model, train_state.init_train_state(setup.model, setup.tx, config, device_mesh, setup.state_shardings)
 
 
 @pytest.fixture(scope="module")
