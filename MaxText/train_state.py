@@ -1,6 +1,8 @@
 """The model and its train state, initialised directly onto their shardings (never whole on one device)."""
 
 import functools
+import math
+import os
 from typing import NamedTuple
 
 import flax.linen as nn
@@ -9,6 +11,7 @@ import jax.numpy as jnp
 from flax.training import train_state
 
 from MaxText import optimizers, sharding
+from MaxText.errors import UserError
 from MaxText.layers.models import Transformer
 
 
@@ -64,4 +67,31 @@ def build(config, mesh) -> TrainSetup:
   model = create_model(config)
   tx = optimizers.create_optimizer(config, optimizers.create_learning_rate_schedule(config))
   abstract_state, state_shardings = get_abstract_state(model, tx, config, mesh)
+  check_state_fits(abstract_state)
   return TrainSetup(model, tx, abstract_state, state_shardings)
+
+
+def _device_memory_bytes(device) -> int | None:
+  stats = device.memory_stats()
+  if stats and stats.get("bytes_limit"):
+    return int(stats["bytes_limit"])
+  if device.platform == "cpu":  # CPU devices share the host's memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(jax.local_device_count(), 1)
+  return None
+
+
+def check_state_fits(abstract_state) -> None:
+  """A clear error, before anything is allocated, when params + optimizer state alone exceed a device's memory."""
+  per_device = sum(
+    math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+    for x in jax.tree.leaves(abstract_state)
+    if hasattr(x, "sharding")
+  )
+  device = jax.local_devices()[0]
+  limit = _device_memory_bytes(device)
+  if limit is not None and per_device > limit:
+    raise UserError(
+      f"the train state (params and optimizer state) needs {per_device / 2**30:.1f} GiB per device but a "
+      f"{device.device_kind} device has {limit / 2**30:.1f} GiB: shard it over more devices (ici_fsdp_parallelism), "
+      "use a smaller model, or weight_dtype=bfloat16"
+    )

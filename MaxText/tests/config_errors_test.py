@@ -58,6 +58,11 @@ NEEDS_DEVICES = [
   (["per_device_batch_size=0.5"], {}, "per_device_batch_size=0.5 x 1 devices = 0.5 rows"),
   (["attention=flash"], {}, "attention=flash needs a TPU"),
   (
+    ["model_name=llama2-70b"],
+    {},
+    "the train state (params and optimizer state) needs 770.9 GiB per device but a cpu device has",
+  ),
+  (
     ["base_num_kv_heads=2", "ici_fsdp_parallelism=1", "ici_tensor_parallelism=4"],
     {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
     "parameter ['decoder']['layers']['self_attention']['key']['kernel'] of shape (2048, 16, 2, 128): dimension 2 (2) "
