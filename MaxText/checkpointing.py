@@ -28,11 +28,9 @@ _MAX_LISTED_MISMATCHES = 5
 
 
 class DataIteratorHandler(ocp.CheckpointHandler):
-  """Saves each process's data-iterator state as JSON; restore merges the states of all processes.
-
-  A state is a dict; where a value is itself a dict (such as the per-row positions of the embedded
-  corpus, keyed by global row), the processes' dicts are unioned, so a restore needs no same process count.
-  """
+  """Saves each process's data-iterator state as JSON. A process restores its own file, except that the
+  per-row positions of random-access pipelines ("rows", keyed by global row) are unioned over all files,
+  so that those resume with any number of processes."""
 
   def save(self, directory: epath.Path, args: "DataIteratorSave"):
     name = f"process_{jax.process_index()}-of-{jax.process_count()}.json"
@@ -40,14 +38,16 @@ class DataIteratorHandler(ocp.CheckpointHandler):
 
   def restore(self, directory: epath.Path, args: "DataIteratorRestore" = None) -> dict:
     del args
-    merged = {}
-    for path in sorted(directory.glob("process_*.json")):
-      for key, value in json.loads(path.read_text()).items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-          merged[key].update(value)
-        else:
-          merged.setdefault(key, value)
-    return merged
+    states = {path.name: json.loads(path.read_text()) for path in sorted(directory.glob("process_*.json"))}
+    if not states:
+      raise FileNotFoundError(f"no process_*.json in {directory}")
+    own = states.get(f"process_{jax.process_index()}-of-{jax.process_count()}.json", next(iter(states.values())))
+    if "rows" not in own:
+      return own  # a streamed pipeline's position; it checks that it was saved by this process
+    rows = {}
+    for state in states.values():
+      rows.update(state.get("rows", {}))
+    return dict(own, rows=rows)
 
 
 @ocp.args.register_with_handler(DataIteratorHandler, for_save=True)
@@ -102,6 +102,15 @@ def check_checkpoint_fits(checkpoint_params, model_params, where: str) -> None:
     )
 
 
+def _all_processes(ok: bool) -> bool:
+  """True when `ok` holds on every process (so that all take the same branch)."""
+  if jax.process_count() == 1:
+    return ok
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+  return bool(np.all(multihost_utils.process_allgather(np.array(ok))))
+
+
 def _quarantine(manager, step: int, reason: str) -> None:
   """Moves an unreadable checkpoint out of the way (kept for inspection, never deleted)."""
   source = epath.Path(manager.directory) / str(step)
@@ -121,14 +130,37 @@ def _short(error: Exception) -> str:
   return " ".join(f"{type(error).__name__}: {error}".split())[:300]
 
 
+def _tree_metadata(path, key: str) -> dict:
+  """The array-metadata tree of an Orbax PyTree checkpoint, or a UserError naming the key that pointed at it."""
+  if not epath.Path(path).exists():
+    raise UserError(f"{key}={path} does not exist")
+  try:
+    metadata = ocp.PyTreeCheckpointer().metadata(path)
+    tree = metadata.item_metadata.tree
+  except Exception as e:  # pylint: disable=broad-except  # not a checkpoint at all, or a damaged one
+    raise UserError(
+      f"{key}={path} is not an Orbax checkpoint's items directory (e.g. <run>/checkpoints/<N>/items): {_short(e)}"
+    ) from None
+  if not isinstance(tree, dict) or "params" not in tree:
+    keys = ", ".join(tree) if isinstance(tree, dict) else type(tree).__name__
+    raise UserError(f"{key}={path} holds no 'params' (it holds: {keys})")
+  return tree
+
+
 def _readable_on_host(step_dir: str) -> bool:
-  """Whether a checkpoint whose restore failed still reads back as plain host arrays (so it is not damaged)."""
+  """Whether a checkpoint whose restore failed still reads back, array by array, as host arrays.
+
+  One array at a time, so that even a large model's check fits in host memory.
+  """
   try:
     path = epath.Path(step_dir) / STATE_ITEM
     checkpointer = ocp.PyTreeCheckpointer()
     tree = checkpointer.metadata(path).item_metadata.tree
-    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-    checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
+    as_numpy = ocp.RestoreArgs(restore_type=np.ndarray)
+    for wanted, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+      item = jax.tree_util.tree_map_with_path(lambda p, leaf, w=wanted: leaf if p == w else ocp.PLACEHOLDER, tree)
+      args = jax.tree_util.tree_map_with_path(lambda p, _, w=wanted: as_numpy if p == w else ocp.PLACEHOLDER, tree)
+      checkpointer.restore(path, args=ocp.args.PyTreeRestore(item=item, restore_args=args))
     DataIteratorHandler().restore(epath.Path(step_dir) / DATA_ITEM)
     return True
   except Exception:  # pylint: disable=broad-except
@@ -139,32 +171,41 @@ def restore_latest(manager, abstract_state):
   """The newest readable checkpoint of this run: (state, data_iterator_state or None), or None if there is none.
 
   A checkpoint that cannot be read (a truncated or missing file) is reported, moved aside, and the
-  previous one is tried. A checkpoint of another model is a UserError (no silent fallback).
+  previous one is tried; every process takes the same decision. A checkpoint of another model, or an
+  intact one that cannot be restored onto this run, is a UserError (no silent fallback).
   """
   damaged = False
   for step in sorted(manager.all_steps(), reverse=True):
     where = str(epath.Path(manager.directory) / str(step))
+    error = None
     try:
-      metadata = manager.item_metadata(step)[STATE_ITEM]
-      saved_params = (metadata.tree if hasattr(metadata, "tree") else metadata)["params"]
+      saved = manager.item_metadata(step)[STATE_ITEM]
+      saved_params = saved.tree["params"]
     except Exception as e:  # pylint: disable=broad-except  # any unreadable metadata means a damaged checkpoint
-      _quarantine(manager, step, _short(e))
+      error = e
+    if not _all_processes(error is None):
+      _quarantine(manager, step, _short(error) if error else "unreadable on another process")
       damaged = True
       continue
     check_checkpoint_fits(saved_params, abstract_state.params, where)
     try:
-      restored = manager.restore(
-        step,
-        args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(abstract_state), DATA_ITEM: DataIteratorRestore()}),
-      )
+      args = {STATE_ITEM: ocp.args.StandardRestore(abstract_state), DATA_ITEM: DataIteratorRestore()}
+      restored = manager.restore(step, args=ocp.args.Composite(**args))
     except Exception as e:  # pylint: disable=broad-except
-      if _readable_on_host(where):
-        raise UserError(f"checkpoint {where} is intact but cannot be restored onto this run: {_short(e)}") from None
-      _quarantine(manager, step, _short(e))
-      damaged = True
-      continue
-    max_logging.log(f"Restored the checkpoint of step {step} from {where}")
-    return restored[STATE_ITEM], restored[DATA_ITEM]
+      error = e
+    if _all_processes(error is None):
+      max_logging.log(f"Restored the checkpoint of step {step} from {where}")
+      return restored[STATE_ITEM], restored[DATA_ITEM]
+    reason = _short(error) if error else "failed on another process"
+    readable = _readable_on_host(where) if jax.process_index() == 0 else False
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+      readable = bool(multihost_utils.broadcast_one_to_all(np.array(readable)))
+    if readable:
+      raise UserError(f"checkpoint {where} is intact but cannot be restored onto this run: {reason}")
+    _quarantine(manager, step, reason)
+    damaged = True
   if damaged:
     # Never start from scratch silently over a run whose every checkpoint failed to load.
     quarantined = epath.Path(manager.directory).parent / QUARANTINE_DIR
@@ -172,26 +213,14 @@ def restore_latest(manager, abstract_state):
   return None
 
 
-def _restore_args(abstract_tree):
-  return ocp.checkpoint_utils.construct_restore_args(abstract_tree)
-
-
 def load_params(path: str, abstract_params):
   """Params from an Orbax PyTree holding {"params": ...} (a training checkpoint's items, or params-only)."""
-  if not epath.Path(path).exists():
-    raise UserError(f"load_parameters_path={path} does not exist")
-  checkpointer = ocp.PyTreeCheckpointer()
-  try:
-    metadata = checkpointer.metadata(path)
-    tree = metadata.item_metadata.tree if hasattr(metadata, "item_metadata") else metadata
-  except Exception as e:  # pylint: disable=broad-except
-    raise UserError(f"load_parameters_path={path} is not an Orbax checkpoint ({_short(e)})") from None
-  if "params" not in tree:
-    raise UserError(f"load_parameters_path={path} holds no 'params' (keys: {', '.join(tree)})")
+  tree = _tree_metadata(path, "load_parameters_path")
   check_checkpoint_fits(tree["params"], abstract_params, path)
   target = {"params": abstract_params}
-  restored = checkpointer.restore(
-    path, args=ocp.args.PyTreeRestore(item=target, restore_args=_restore_args(target), partial_restore=True)
+  restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+  restored = ocp.PyTreeCheckpointer().restore(
+    path, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
   )
   max_logging.log(f"Loaded parameters from {path}")
   return restored["params"]
@@ -199,13 +228,14 @@ def load_params(path: str, abstract_params):
 
 def load_full_state(path: str, abstract_state):
   """A whole TrainState (params, optimizer state, step) from an Orbax checkpoint's items directory."""
-  if not epath.Path(path).exists():
-    raise UserError(f"load_full_state_path={path} does not exist")
-  checkpointer = ocp.StandardCheckpointer()
-  metadata = checkpointer.metadata(path)
-  tree = metadata.item_metadata.tree if hasattr(metadata, "item_metadata") else metadata
+  tree = _tree_metadata(path, "load_full_state_path")
+  if "opt_state" not in tree:
+    raise UserError(f"load_full_state_path={path} holds params only (no optimizer state); use load_parameters_path")
   check_checkpoint_fits(tree["params"], abstract_state.params, path)
-  state = checkpointer.restore(path, abstract_state)
+  try:
+    state = ocp.StandardCheckpointer().restore(path, abstract_state)
+  except Exception as e:  # pylint: disable=broad-except  # e.g. another optimizer's state
+    raise UserError(f"load_full_state_path={path} does not fit this run's train state: {_short(e)}") from None
   max_logging.log(f"Loaded the full train state (step {int(state.step)}) from {path}")
   return state
 

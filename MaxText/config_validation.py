@@ -29,6 +29,7 @@ _POSITIVE_INTS = (
   "log_period",
   "rope_min_timescale",
   "rope_max_timescale",
+  "stack_trace_interval_seconds",
 )
 
 # key -> (low, high, low_inclusive, high_inclusive)
@@ -84,6 +85,8 @@ def _check_numbers(v):
     raise ConfigError(f"learning_rate_schedule_steps={v['learning_rate_schedule_steps']} must be positive (or -1 for steps)")
   if v["steps"] == -1 and v["learning_rate_schedule_steps"] == -1:
     raise ConfigError("steps=-1 needs a positive learning_rate_schedule_steps")
+  if v["head_dim"] % 2:
+    raise ConfigError(f"head_dim={v['head_dim']} must be even (rotary embeddings rotate pairs of dimensions)")
   if v["param_scan_axis"] not in (0, 1):
     raise ConfigError(f"param_scan_axis={v['param_scan_axis']} must be 0 or 1")
   if v["reuse_example_batch"] not in (0, 1):

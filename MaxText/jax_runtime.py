@@ -1,4 +1,4 @@
-"""JAX process set-up that entry points do first: jax.distributed from the cluster, XLA flags, compile cache.
+"""JAX process set-up that entry points do first: jax.distributed from the cluster, and the compile cache.
 
 jax.distributed is only initialised when the environment describes a multi-process job:
   - JAX_COORDINATOR_ADDRESS (host[:port]) with NNODES and NODE_RANK: GPU nodes, or CPU processes in tests.
@@ -15,16 +15,6 @@ from MaxText import max_logging
 from MaxText.errors import ConfigError
 
 DEFAULT_COORDINATOR_PORT = 1234
-
-
-def append_xla_flags(flags: list[str], environ=None) -> None:
-  """Adds XLA flags after the user's XLA_FLAGS, never replacing them; a flag the user set is left alone."""
-  environ = os.environ if environ is None else environ
-  current = environ.get("XLA_FLAGS", "")
-  present = {f.split("=", 1)[0] for f in current.split()}
-  extra = [f for f in flags if f.split("=", 1)[0] not in present]
-  if extra:
-    environ["XLA_FLAGS"] = " ".join([current] + extra).strip()
 
 
 def _int_env(environ, name: str) -> int:
@@ -69,10 +59,6 @@ def maybe_initialize_distributed(hardware: str, environ=None) -> None:
   max_logging.log(f"Initialising jax.distributed {kwargs or '(cluster auto-detection)'}")
   jax.distributed.initialize(**kwargs)
   max_logging.log(f"jax.distributed ready: process {jax.process_index()} of {jax.process_count()}")
-
-
-def devices() -> list:
-  return jax.devices()
 
 
 def enable_compilation_cache(cache_dir: str) -> None:

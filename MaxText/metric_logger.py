@@ -15,6 +15,7 @@ from etils import epath
 
 from MaxText import flops as flops_lib
 from MaxText import max_logging
+from MaxText.errors import UserError
 
 _TENSORBOARD_FLUSH_SECONDS = 30
 
@@ -53,31 +54,33 @@ class MetricLogger:
     self._last_tb_flush = time.time()
     self._recent_step_times = []
     self._steps_written = 0
+    self.data_exhausted = False  # set once a step had no real token on any process
     self._metrics_file = None
     if config.metrics_file and jax.process_index() == 0:
-      os.makedirs(os.path.dirname(os.path.abspath(config.metrics_file)), exist_ok=True)
-      _keep_lines_before(config.metrics_file, start_step)
-      self._metrics_file = open(config.metrics_file, "a", encoding="utf-8")
+      try:
+        os.makedirs(os.path.dirname(os.path.abspath(config.metrics_file)), exist_ok=True)
+        _keep_lines_before(config.metrics_file, start_step)
+        self._metrics_file = open(config.metrics_file, "a", encoding="utf-8")  # pylint: disable=consider-using-with
+      except OSError as e:
+        raise UserError(f"metrics_file={config.metrics_file} cannot be written: {e.strerror or e}") from None
 
   def reset_step_timer(self) -> None:
     """Restarts the step clock (e.g. after a blocking checkpoint save or eval, which is not step time)."""
     self._last_completion = time.time()
 
-  def record(self, step: int, metrics) -> dict | None:
-    """Buffers `metrics` (device arrays) of `step`, writes the previously buffered step and returns its
-    host metrics (None if there was none)."""
+  def record(self, step: int, metrics) -> None:
+    """Buffers `metrics` (device arrays) of `step` and writes the previously buffered step."""
     previous, self._pending = self._pending, (step, metrics)
-    return self._write(*previous) if previous is not None else None
+    if previous is not None:
+      self._write(*previous)
 
-  def flush(self) -> dict | None:
-    """Writes the buffered step now (end of training, before a checkpoint or eval); returns its host metrics."""
-    written = None
+  def flush(self) -> None:
+    """Writes the buffered step now (end of training, before a checkpoint or eval)."""
     if self._pending is not None:
       pending, self._pending = self._pending, None
-      written = self._write(*pending)
+      self._write(*pending)
     if self.writer is not None:
       self.writer.flush()
-    return written
 
   def write_eval(self, step: int, metrics: dict) -> None:
     max_logging.log(
@@ -108,10 +111,11 @@ class MetricLogger:
       return None
     return float(np.median(self._recent_step_times)) * (self.config.steps - 1 - step)
 
-  def _write(self, step: int, device_metrics) -> dict:
+  def _write(self, step: int, device_metrics) -> None:
     host = {k: float(v) for k, v in jax.device_get(device_metrics).items()}  # blocks on this step only
     if host["learning/total_weights"] == 0:
-      return host  # all padding: the data is used up and the step changed nothing
+      self.data_exhausted = True  # all padding on every process: the data is used up, the step changed nothing
+      return
     now = time.time()
     seconds = max(now - self._last_completion, 1e-9)
     self._last_completion = now
@@ -124,7 +128,6 @@ class MetricLogger:
     if self._metrics_file is not None:
       self._metrics_file.write(json.dumps({"step": float(step), "run_name": self.config.run_name, **host}) + "\n")
       self._metrics_file.flush()
-    return host
 
   def _log_line(self, step: int, m: dict) -> None:
     line = (

@@ -74,6 +74,13 @@ def preprocess(
   if found is None:
     raise UserError(f"--tokenizer_path {tokenizer_path} does not exist")
   tokenizer = build_tokenizer(found, add_bos, add_eos)
+  existing = glob.glob(f"{output_prefix}.array_record-*")
+  if existing:
+    # Old shards would match the same train glob and mix with the new ones.
+    raise UserError(
+      f"--output_prefix {output_prefix}: {len(existing)} shards already exist ({existing[0]}, ...); "
+      "remove them or choose another prefix"
+    )
   os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
   shards = [f"{output_prefix}.array_record-{i:05d}-of-{num_shards:05d}" for i in range(num_shards)]
   writers = [ArrayRecordWriter(p, "group_size:1") for p in shards]

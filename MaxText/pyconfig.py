@@ -167,10 +167,18 @@ def _derive_device_values(values, sources, devices):
     _set(values, sources, "hardware", detected if detected in ("cpu", "gpu", "tpu") else "cpu")
   if values["attention"] == "autoselected":
     _set(values, sources, "attention", "flash" if detected == "tpu" else "dot_product")
-  if values["attention"] == "flash" and detected != "tpu":
-    raise ConfigError(
-      f"attention=flash needs a TPU (Pallas splash kernel); this machine has {platform} devices: use dot_product"
-    )
+  if values["attention"] == "flash":
+    if detected != "tpu":
+      raise ConfigError(
+        f"attention=flash needs a TPU (Pallas splash kernel); this machine has {platform} devices: use dot_product"
+      )
+    length = values["max_target_length"]
+    if length % 128 or (length > 512 and length % 512):
+      raise ConfigError(f"attention=flash needs max_target_length={length} to be a multiple of 128 (of 512 above 512)")
+    if values["ici_sequence_parallelism"] != 1 or values["dcn_sequence_parallelism"] != 1:
+      raise ConfigError(
+        "attention=flash cannot shard the sequence: set ici/dcn_sequence_parallelism=1 or use attention=dot_product"
+      )
 
   num_slices = 1 + max(getattr(d, "slice_index", 0) or 0 for d in devices)
   num_devices = len(devices)
@@ -234,8 +242,11 @@ def initialize(argv: list[str], environ=None, required_keys: tuple[str, ...] = (
     if not values[key]:
       raise ConfigError(f"{key} is empty: {_REQUIRED_HINTS.get(key, 'set it on the command line')}")
 
-  from MaxText import jax_runtime  # pylint: disable=import-outside-toplevel  # JAX only after the cheap checks
+  # JAX only after the cheap checks.
+  import jax  # pylint: disable=import-outside-toplevel
+
+  from MaxText import jax_runtime  # pylint: disable=import-outside-toplevel
 
   jax_runtime.maybe_initialize_distributed(values["hardware"], environ)
-  _derive_device_values(values, sources, jax_runtime.devices())
+  _derive_device_values(values, sources, jax.devices())
   return Config(values, sources)

@@ -98,48 +98,49 @@ def _run_steps(config, mesh, model, state, state_shardings, data_iterator, manag
   p_eval_step = train_step.jit_eval_step(model, config, mesh, state_shardings) if config.eval_interval > 0 else None
   logger = metric_logger.MetricLogger(config, start_step, metric_logger.create_tensorboard_writer(config))
   watcher = checkpointing.PreemptionWatcher()
-  example_batch, stop_reason, last_saved = None, None, None
-  with sharding.logical_context(mesh, config):
-    for step in range(start_step, config.steps):
-      if example_batch is None or not config.reuse_example_batch:
-        example_batch = next(data_iterator)
-      state, metrics = p_train_step(state, example_batch)
-      written = logger.record(step, metrics)
-      if written is not None and written["learning/total_weights"] == 0:
-        # Every process is out of data (num_epoch); the padding steps since then changed nothing.
-        stop_reason = f"the training data is used up (num_epoch={config.num_epoch})"
-      elif watcher.should_stop(step):
-        stop_reason = f"received {watcher.signal_name}"
-      if p_eval_step is not None and stop_reason is None and (step + 1) % config.eval_interval == 0:
-        logger.flush()
-        eval_metrics = evaluation.evaluate(config, mesh, p_eval_step, state.params)
-        logger.write_eval(step, eval_metrics)
-        logger.reset_step_timer()
-        if config.target_eval_loss > 0 and eval_metrics["eval/loss"] <= config.target_eval_loss:
-          stop_reason = f"the eval loss reached target_eval_loss={config.target_eval_loss}"
-      last_step = int(state.step) - 1 if stop_reason else step  # the last step that updated the weights
-      # (nothing new to save when it is the step this run started from)
-      periodic = step % config.checkpoint_period == 0 or step == config.steps - 1
-      if manager is not None and (periodic or stop_reason) and last_step != last_saved and last_step >= start_step:
-        logger.flush()  # the step's metrics line is written before its checkpoint can commit
-        blocked = checkpointing.save_checkpoint(manager, last_step, state, data_iterator)
-        last_saved = last_step
-        logger.reset_step_timer()
-        max_logging.log(f"Saving the checkpoint of step {last_step} (the loop waited {blocked:.3f} s)")
-      if stop_reason:
-        break
-  logger.close()
-  watcher.close()
+  used_up = f"the training data is used up (num_epoch={config.num_epoch})"
+  example_batch, stop_reason, last_saved, last_step = None, None, None, start_step - 1
+  try:
+    with sharding.logical_context(mesh, config):
+      for step in range(start_step, config.steps):
+        if example_batch is None or not config.reuse_example_batch:
+          example_batch = next(data_iterator)
+        state, metrics = p_train_step(state, example_batch)
+        logger.record(step, metrics)
+        # Once every process is out of data, steps see only padding and change nothing (see train_step).
+        if logger.data_exhausted:
+          stop_reason = used_up
+        elif watcher.should_stop(step):
+          stop_reason = f"received {watcher.signal_name}"
+        if p_eval_step is not None and stop_reason is None and (step + 1) % config.eval_interval == 0:
+          logger.flush()
+          eval_metrics = evaluation.evaluate(config, mesh, p_eval_step, state.params)
+          logger.write_eval(step, eval_metrics)
+          logger.reset_step_timer()
+          if config.target_eval_loss > 0 and eval_metrics["eval/loss"] <= config.target_eval_loss:
+            stop_reason = f"the eval loss reached target_eval_loss={config.target_eval_loss}"
+        save = manager is not None and (stop_reason or step % config.checkpoint_period == 0 or step == config.steps - 1)
+        if save:
+          logger.flush()  # the step's metrics line is written before its checkpoint can commit
+          stop_reason = stop_reason or (used_up if logger.data_exhausted else None)
+        last_step = int(state.step) - 1 if stop_reason else step  # the last step that updated the weights
+        if save:
+          if last_step not in (last_saved, start_step - 1):  # nothing new since the last save or the restore
+            blocked = checkpointing.save_checkpoint(manager, last_step, state, data_iterator)
+            last_saved = last_step
+            logger.reset_step_timer()
+            max_logging.log(f"Saving the checkpoint of step {last_step} (the loop waited {blocked:.3f} s)")
+        if stop_reason:
+          break
+  finally:
+    logger.close()
+    watcher.close()
   if manager is not None:
     manager.wait_until_finished()
   if stop_reason:
-    if manager is None:
-      saved = "checkpointing is disabled"
-    elif last_saved is None:
-      saved = "its checkpoint was already saved"
-    else:
-      saved = f"saved the checkpoint of step {last_saved} to {config.checkpoint_dir}"
-    max_logging.log(f"Stopping because {stop_reason}: the last step is {last_step}; {saved}.")
+    max_logging.log(
+      f"Stopping because {stop_reason}: the last step is {last_step}; {_saved_note(config, manager, last_saved)}."
+    )
   else:
     max_logging.log(
       f"Training finished at step {config.steps - 1}. TensorBoard: tensorboard --logdir={config.tensorboard_dir}"
@@ -147,12 +148,37 @@ def _run_steps(config, mesh, model, state, state_shardings, data_iterator, manag
   return state
 
 
+def _saved_note(config, manager, last_saved) -> str:
+  if manager is None:
+    return "checkpointing is disabled"
+  if last_saved is None:
+    return "its checkpoint was already saved"
+  return f"saved the checkpoint of step {last_saved} to {config.checkpoint_dir}"
+
+
+def _diagnostics(config):
+  """cloud-tpu-diagnostics: periodic stack traces of every thread (collect_stack_trace), to find hangs."""
+  # pylint: disable=import-outside-toplevel
+  from cloud_tpu_diagnostics import diagnostic
+  from cloud_tpu_diagnostics.configuration import debug_configuration, diagnostic_configuration, stack_trace_configuration
+
+  stack_traces = stack_trace_configuration.StackTraceConfig(
+    collect_stack_trace=config.collect_stack_trace,
+    stack_trace_to_cloud=config.stack_trace_to_cloud,
+    stack_trace_interval_seconds=config.stack_trace_interval_seconds,
+  )
+  return diagnostic.diagnose(
+    diagnostic_configuration.DiagnosticConfig(debug_config=debug_configuration.DebugConfig(stack_trace_config=stack_traces))
+  )
+
+
 def main(argv: list[str]) -> None:
   config = pyconfig.initialize(argv, required_keys=("run_name",))
   from MaxText import jax_runtime  # pylint: disable=import-outside-toplevel
 
   jax_runtime.enable_compilation_cache(config.jax_cache_dir)
-  train_loop(config)
+  with _diagnostics(config):
+    train_loop(config)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The loss, train_step and eval_step: pure functions shared by train.py, train_compile.py and benchmarks.
+"""The loss, train_step and eval_step: pure functions shared by train.py, the benchmarks and tests.
 
 A batch is a dict of (batch, length) int32 arrays: inputs, inputs_position, inputs_segmentation,
 targets, targets_segmentation (segmentation 0 marks padding, which carries no loss).

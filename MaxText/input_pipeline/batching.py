@@ -19,6 +19,15 @@ from MaxText.errors import UserError
 from MaxText.input_pipeline.packing import BATCH_KEYS, PackedStream, RandomAccessCursor, StreamCursor
 
 
+def check_state_kind(state: dict, kind: str) -> None:
+  """A UserError when a checkpoint's data position belongs to another kind of pipeline."""
+  if state.get("kind") != kind:
+    raise UserError(
+      f"the checkpoint's data position is for a {state.get('kind', 'different')} pipeline but this run's dataset_type "
+      f"reads a {kind} one: resume with the dataset_type the run was started with"
+    )
+
+
 def _stack(rows: list[dict]) -> dict:
   return {k: np.stack([row[k] for row in rows]) for k in BATCH_KEYS}
 
@@ -36,7 +45,7 @@ class RowStreamBatcher:
 
   def __next__(self) -> dict:
     """A row whose stream has run out is padding; raises StopIteration once every row has run out."""
-    rows, padding = [], None
+    rows = []
     for stream in self._streams:
       try:
         rows.append(stream.next_row())
@@ -49,9 +58,11 @@ class RowStreamBatcher:
 
   def get_state(self) -> dict:
     """{"num_rows": R, "rows": {global row: stream state}}; a checkpoint unions the rows of all processes."""
-    return {"num_rows": self._num_rows, "rows": {str(r): s.get_state() for r, s in zip(self._rows, self._streams)}}
+    rows = {str(r): s.get_state() for r, s in zip(self._rows, self._streams)}
+    return {"kind": "rows", "num_rows": self._num_rows, "rows": rows}
 
   def set_state(self, state: dict) -> None:
+    check_state_kind(state, "rows")
     if state.get("num_rows") != self._num_rows or any(str(r) not in state.get("rows", {}) for r in self._rows):
       raise UserError(
         f"the checkpoint's data position is for a global batch of {state.get('num_rows')} rows, this run loads "
@@ -64,9 +75,11 @@ class RowStreamBatcher:
 class StreamBatcher:
   """This process's rows of each batch, filled in order from one packed stream of its data shard."""
 
-  def __init__(self, open_stream, num_epochs: int, local_rows: int, seq_len: int, packing: bool = True):
+  def __init__(self, open_stream, num_epochs: int, local_rows: int, seq_len: int, packing: bool, process: tuple[int, int]):
+    """process: (index, count) of this process, recorded in the state: a stream resumes only in its own process."""
     self._stream = PackedStream(StreamCursor(open_stream, num_epochs), seq_len, packing)
     self._local_rows = local_rows
+    self._process = list(process)
 
   def __iter__(self):
     return self
@@ -83,9 +96,16 @@ class StreamBatcher:
     return _stack(rows)
 
   def get_state(self) -> dict:
-    return {"stream": self._stream.get_state()}
+    return {"kind": "stream", "process": self._process, "stream": self._stream.get_state()}
 
   def set_state(self, state: dict) -> None:
+    check_state_kind(state, "stream")
+    if state["process"] != self._process:
+      raise UserError(
+        f"the checkpoint's data position was saved by process {state['process'][0]} of {state['process'][1]}; "
+        "streamed data (TFRecord tfds, hf) resumes only with the same number of processes "
+        f"(this is process {self._process[0]} of {self._process[1]})"
+      )
     self._stream.set_state(state["stream"])
 
 
@@ -105,7 +125,9 @@ def _row_worker(make_batcher, state, out: multiprocessing.Queue, stop) -> None:
           continue
       if stop.is_set():
         return
-    out.put(("end", None))
+    out.put(("end", batcher.get_state()))
+  except UserError as e:  # re-raised in the parent as a UserError: one line, no traceback
+    out.put(("user_error", str(e)))
   except Exception as e:  # pylint: disable=broad-except  # re-raised in the parent
     out.put(("error", f"{type(e).__name__}: {e}"))
 
@@ -113,7 +135,8 @@ def _row_worker(make_batcher, state, out: multiprocessing.Queue, stop) -> None:
 class WorkerRowStreamBatcher:
   """RowStreamBatcher whose rows are split over `num_workers` processes (tokenisation in parallel).
 
-  make_batcher(rows) must be a picklable callable building the RowStreamBatcher of some global rows.
+  make_batcher(rows) must be a picklable callable building the RowStreamBatcher of some global rows. A
+  worker whose rows have all run out contributes padding rows until every worker has.
   """
 
   def __init__(self, make_batcher, rows, num_workers: int, prefetch: int = 2):
@@ -121,8 +144,9 @@ class WorkerRowStreamBatcher:
     self._all_rows = rows
     self._parts = [rows[i::num_workers] for i in range(num_workers) if rows[i::num_workers]]
     self._make, self._prefetch = make_batcher, prefetch
-    self._state = {"num_rows": None, "rows": {}}
+    self._state = {"kind": "rows", "num_rows": None, "rows": {}}
     self._workers, self._queues, self._stop = [], [], None
+    self._finished = set()
     self._restore = None
 
   def _start(self):
@@ -136,26 +160,43 @@ class WorkerRowStreamBatcher:
       self._workers.append(worker)
       self._queues.append(q)
 
+  def _receive(self, index: int):
+    """The next (batch, state) of worker `index`; a dead worker is an error, not a hang."""
+    while True:
+      try:
+        return self._queues[index].get(timeout=5)
+      except queue.Empty:
+        if not self._workers[index].is_alive():
+          raise RuntimeError(f"data worker {index} died (exit code {self._workers[index].exitcode})") from None
+
   def __iter__(self):
     return self
 
   def __next__(self) -> dict:
     if not self._workers:
       self._start()
-    parts = []
-    for q in self._queues:
-      batch, state = q.get()
-      if isinstance(batch, str):
-        if batch == "error":
-          raise RuntimeError(f"data worker failed: {state}")
-        raise StopIteration
-      parts.append((batch, state))
-    rows = {}
-    for part, (batch, state) in zip(self._parts, parts):
+    parts = {}
+    for index in range(len(self._parts)):
+      if index in self._finished:
+        continue
+      batch, state = self._receive(index)
+      if batch == "user_error":
+        raise UserError(state)
+      if batch == "error":
+        raise RuntimeError(f"data worker {index} failed: {state}")
+      if batch == "end":
+        self._finished.add(index)
+      else:
+        parts[index] = batch
       self._state["num_rows"] = state["num_rows"]
       self._state["rows"].update(state["rows"])
+    if not parts:
+      raise StopIteration
+    rows, template = {}, next(iter(parts.values()))
+    for index, part in enumerate(self._parts):
+      batch = parts.get(index)
       for i, row in enumerate(part):
-        rows[row] = {k: batch[k][i] for k in BATCH_KEYS}
+        rows[row] = {k: batch[k][i] if batch is not None else np.zeros_like(template[k][0]) for k in BATCH_KEYS}
     return _stack([rows[r] for r in sorted(rows)])
 
   def get_state(self) -> dict:
@@ -164,6 +205,7 @@ class WorkerRowStreamBatcher:
     return self._restore if self._restore is not None else self._make(self._all_rows).get_state()
 
   def set_state(self, state: dict) -> None:
+    check_state_kind(state, "rows")
     self._restore = state
 
   def close(self) -> None:

@@ -28,16 +28,12 @@ def _data_files(files: str, key: str):
 def _load(config, train: bool):
   import datasets  # pylint: disable=import-outside-toplevel
 
-  if not config.hf_path:
-    raise UserError("hf_path is empty; e.g. hf_path=parquet hf_train_files=/data/*.parquet (or a hub dataset name)")
   if train:
     files, split = _data_files(config.hf_train_files, "hf_train_files"), config.train_split
   elif config.hf_eval_files:
     files, split = _data_files(config.hf_eval_files, "hf_eval_files"), "train"
-  else:
+  else:  # config_validation made sure that one of the two is set
     files, split = None, config.hf_eval_split
-    if not split:
-      raise UserError("eval_interval > 0 with dataset_type=hf needs hf_eval_files or hf_eval_split")
   try:
     return datasets.load_dataset(
       config.hf_path, data_dir=config.hf_data_dir or None, data_files=files, split=split, streaming=True

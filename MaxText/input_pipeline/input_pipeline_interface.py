@@ -29,32 +29,33 @@ def document_decoder(config, train: bool) -> DocumentDecoder:
   )
 
 
-def _is_random_access(config, train: bool) -> bool:
-  if config.dataset_type == "tfds":
-    return tfds_source.is_array_record(tfds_source.open_builder(config, train)[0])
-  return config.dataset_type in ("embedded", "grain")
-
-
-def _random_access_records(config, train: bool):
-  """The records of a random-access source (embedded corpus, Grain ArrayRecord, TFDS ArrayRecord)."""
+def _random_access_records(config, train: bool, tfds_builder=None):
+  """The records of a random-access source (embedded corpus, Grain ArrayRecord, TFDS ArrayRecord), else None."""
   if config.dataset_type == "embedded":
     return embedded_corpus.split_documents("train" if train else "eval")
   if config.dataset_type == "grain":
     return grain_source.array_record_source(
       config.grain_train_files if train else config.grain_eval_files, "grain_train_files" if train else "grain_eval_files"
     )
-  return tfds_source.random_access_records(*tfds_source.open_builder(config, train))
+  if config.dataset_type == "tfds":
+    builder, split = tfds_builder or tfds_source.open_builder(config, train)
+    return tfds_source.random_access_records(builder, split) if tfds_source.is_array_record(builder) else None
+  return None
 
 
 class RandomAccessRows:
-  """Picklable factory of the RowStreamBatcher of some global rows (also run in worker processes)."""
+  """Picklable factory of the RowStreamBatcher of some global rows (also run in worker processes, which
+  open the records again: `records` is not sent to them)."""
 
-  def __init__(self, config, train: bool, num_rows: int):
-    self.config, self.train, self.num_rows = config, train, num_rows
+  def __init__(self, config, train: bool, num_rows: int, records=None):
+    self.config, self.train, self.num_rows, self.records = config, train, num_rows, records
+
+  def __getstate__(self):
+    return dict(self.__dict__, records=None)
 
   def __call__(self, rows) -> RowStreamBatcher:
     config = self.config
-    records = _random_access_records(config, self.train)
+    records = self.records if self.records is not None else _random_access_records(config, self.train)
     if len(records) == 0:
       raise UserError(f"the {'train' if self.train else 'eval'} data of dataset_type={config.dataset_type} holds no records")
     documents = grain.MapDataset.source(records)
@@ -69,23 +70,23 @@ class RandomAccessRows:
 def _local_batcher(config, mesh, train: bool, num_rows: int):
   """The iterator of this process's rows of each global batch."""
   start, stop = process_row_range(sharding.data_sharding(config, mesh), (num_rows, config.max_target_length))
-  max_logging.log(
-    f"Process {jax.process_index()} loads rows [{start}, {stop}) of each {num_rows}-row {'train' if train else 'eval'} batch"
-  )
-  if _is_random_access(config, train):
-    factory = RandomAccessRows(config, train, num_rows)
+  if train:
+    max_logging.log(f"Process {jax.process_index()} loads rows [{start}, {stop}) of each {num_rows}-row train batch")
+  tfds_builder = tfds_source.open_builder(config, train) if config.dataset_type == "tfds" else None
+  records = _random_access_records(config, train, tfds_builder)
+  if records is not None:
+    factory = RandomAccessRows(config, train, num_rows, records)
     if train and config.grain_worker_count > 0:
       return WorkerRowStreamBatcher(factory, range(start, stop), config.grain_worker_count)
     return factory(range(start, stop))
   decode = document_decoder(config, train)
-  index, count = jax.process_index(), jax.process_count()
-  if config.dataset_type == "tfds":
-    builder, split = tfds_source.open_builder(config, train)
-    opener = tfds_source.stream_opener(config, builder, split, train, decode, index, count)
+  process = (jax.process_index(), jax.process_count())
+  if tfds_builder is not None:
+    opener = tfds_source.stream_opener(config, *tfds_builder, train, decode, *process)
   else:
-    opener = hf_source.stream_opener(config, train, decode, index, count)
+    opener = hf_source.stream_opener(config, train, decode, *process)
   epochs = config.num_epoch if train else 1
-  return StreamBatcher(opener, epochs, stop - start, config.max_target_length, config.packing)
+  return StreamBatcher(opener, epochs, stop - start, config.max_target_length, config.packing, process)
 
 
 def create_data_iterator(config, mesh):

@@ -86,9 +86,7 @@ class PackedStream:
 
   def _take_from_current(self, document, room: int) -> int:
     remaining = len(document["inputs"]) - self._offset
-    if self._packing:
-      return min(remaining, room)
-    if remaining > room and not self._warned_truncation:
+    if not self._packing and remaining > room and not self._warned_truncation:
       max_logging.warn(
         f"a document of {remaining + 1} tokens is cut to max_target_length={self._seq_len} (packing=false; logged once)"
       )

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from MaxText import sharding
+from MaxText.input_pipeline.batching import check_state_kind
 
 
 def _synthetic_batch(step, *, seed: int, shape: tuple[int, int], vocab_size: int) -> dict:
@@ -40,9 +41,10 @@ class SyntheticDataIterator:
     return batch
 
   def get_state(self) -> dict:
-    return {"step": self._step}
+    return {"kind": "synthetic", "step": self._step}
 
   def set_state(self, state: dict) -> None:
+    check_state_kind(state, "synthetic")
     self._step = int(state["step"])
 
   def close(self) -> None:

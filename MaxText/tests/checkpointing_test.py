@@ -68,11 +68,12 @@ def test_sigterm_saves_the_current_step_and_exits_zero(tmp_path, reference):
   assert f"Stopping because received SIGTERM: the last step is {last}; saved the checkpoint of step {last}" in stdout
   assert str(last) in os.listdir(tmp_path / "term" / "checkpoints")
   result, metrics = run_train(
-    tmp_path, "term", "steps=10", "checkpoint_period=1000", "learning_rate_schedule_steps=10", metrics_name="term"
+    tmp_path, "term", f"steps={last + 3}", "checkpoint_period=1000", "learning_rate_schedule_steps=10", metrics_name="term"
   )
   _ok(result)
   assert f"Restored the checkpoint of step {last}" in result.stdout
-  assert [m["step"] for m in metrics] == list(range(10)) and _losses(metrics) == _losses(ref)
+  assert [m["step"] for m in metrics] == list(range(last + 3))  # continues at last + 1, no hole, no repeat
+  assert _losses(metrics)[:10] == _losses(ref)[: min(10, last + 3)]
 
 
 @pytest.mark.parametrize("damage", ["truncate_data", "delete_metadata"])
@@ -146,3 +147,46 @@ def test_restore_onto_a_different_mesh(tmp_path):
   assert "Restored the checkpoint of step 3" in result.stdout
   assert [m["step"] for m in metrics] == [4, 5]
   np.testing.assert_allclose(_losses(metrics), _losses(ref)[4:], rtol=1e-5)
+
+
+def test_load_paths_that_are_not_training_checkpoints(tmp_path, reference):
+  ref_dir, _ = reference
+  step_dir = ref_dir / "ref" / "checkpoints" / "9"  # the step directory instead of its items
+  result, _ = run_train(tmp_path, "wrong", "steps=2", f"load_full_state_path={step_dir}")
+  assert result.returncode == 2 and "is not an Orbax checkpoint's items directory" in result.stderr
+  params_only = tmp_path / "params_only"
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+
+  restored = ocp.PyTreeCheckpointer().restore(str(step_dir / "items"))
+  ocp.PyTreeCheckpointer().save(str(params_only), {"params": restored["params"]})
+  result, _ = run_train(tmp_path, "ponly", "steps=2", f"load_full_state_path={params_only}")
+  assert result.returncode == 2 and "holds params only (no optimizer state); use load_parameters_path" in result.stderr
+
+
+def test_resuming_with_another_dataset_type_is_a_clear_error(tmp_path):
+  _ok(run_train(tmp_path, "kind", "steps=2", "dataset_type=synthetic")[0])
+  result, _ = run_train(tmp_path, "kind", "steps=4")
+  assert result.returncode == 2
+  assert "data position is for a synthetic pipeline but this run's dataset_type reads a rows one" in result.stderr
+
+
+def test_data_used_up_with_a_checkpoint_every_step(tmp_path):
+  from MaxText.input_pipeline import sample_datasets  # pylint: disable=import-outside-toplevel
+
+  files = sample_datasets.write_array_records(
+    str(tmp_path / "small"), [f"document {i} " * 10 for i in range(40)], num_shards=1
+  )
+  result, metrics = run_train(
+    tmp_path,
+    "every",
+    "steps=100000",
+    "checkpoint_period=1",
+    "num_epoch=1",
+    "dataset_type=grain",
+    f"grain_train_files={files[0]}",
+  )
+  _ok(result)
+  assert "Stopping because the training data is used up (num_epoch=1)" in result.stdout
+  last = int(metrics[-1]["step"])
+  assert f"the last step is {last};" in result.stdout
+  assert max(int(d) for d in os.listdir(tmp_path / "every" / "checkpoints")) == last

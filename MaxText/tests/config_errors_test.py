@@ -46,6 +46,12 @@ CASES = [
   ([], {"M_STEPZ": "3"}, "environment variable M_STEPZ names no config key 'stepz'; did you mean 'steps'"),
   (["steps=4"], {"M_STEPS": "3"}, "key 'steps' is set both on the command line and by M_STEPS"),
   (["steps=-5"], {}, "steps=-5 must be positive"),
+  (["head_dim=7"], {}, "head_dim=7 must be even"),
+  (
+    ["metrics_file=/proc/no/metrics.jsonl", "base_emb_dim=32", "base_num_decoder_layers=1"],
+    {},
+    "metrics_file=/proc/no/metrics.jsonl cannot be written",
+  ),
 ]
 
 NEEDS_DEVICES = [

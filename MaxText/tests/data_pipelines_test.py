@@ -219,3 +219,27 @@ def test_worker_processes_give_the_same_batches(data):
   assert b.get_state() == a.get_state()
   a.close()
   b.close()
+
+
+def test_worker_errors_are_one_line(tmp_path, data):
+  _, flags = data
+  result, _ = run_train(tmp_path, "werr", "steps=2", *flags["grain"], "grain_worker_count=1", "train_data_column=body")
+  assert result.returncode == 2 and "Traceback" not in result.stderr
+  assert "records have no column 'body'" in result.stderr.strip().splitlines()[-1]
+
+
+def test_a_stream_position_resumes_only_in_the_process_that_saved_it():
+  from MaxText.errors import UserError  # pylint: disable=import-outside-toplevel
+  from MaxText.input_pipeline.batching import StreamBatcher  # pylint: disable=import-outside-toplevel
+
+  batcher = StreamBatcher(lambda epoch, position: iter(()), 1, 2, 8, True, (0, 1))
+  with pytest.raises(UserError, match="saved by process 0 of 2; streamed data"):
+    batcher.set_state({"kind": "stream", "process": [0, 2], "stream": {}})
+
+
+def test_preprocess_refuses_to_mix_with_old_shards(tmp_path, data):
+  root, _ = data
+  args = ["MaxText/preprocess_data.py", "--input", f"{root}/hf/eval.parquet", "--output_prefix", str(tmp_path / "t")]
+  assert run_python(args).returncode == 0
+  again = run_python([*args, "--num_shards", "3"])
+  assert again.returncode == 2 and "1 shards already exist" in again.stderr

@@ -1,18 +1,9 @@
-"""Cluster detection for jax.distributed, and XLA flags that never replace the user's."""
+"""Cluster detection for jax.distributed."""
 
 import pytest
 
 from MaxText import jax_runtime
 from MaxText.errors import ConfigError
-
-
-def test_xla_flags_are_appended_after_the_users():
-  env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_foo=1"}
-  jax_runtime.append_xla_flags(["--xla_bar=true", "--xla_foo=2"], env)
-  assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8 --xla_foo=1 --xla_bar=true"
-  empty = {}
-  jax_runtime.append_xla_flags(["--xla_bar=true"], empty)
-  assert empty["XLA_FLAGS"] == "--xla_bar=true"
 
 
 @pytest.mark.parametrize(
