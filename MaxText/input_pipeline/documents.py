@@ -21,7 +21,7 @@ def shift_to_inputs_and_targets(token_ids) -> dict:
 
 
 class DocumentDecoder:
-  """Callable record -> {"inputs", "targets"} int32 arrays. Picklable (built from plain values)."""
+  """Callable record -> {"inputs", "targets"} int32 arrays."""
 
   def __init__(self, column: str, tokenize: bool, tokenizer_path: str, add_bos: bool, add_eos: bool, vocab_size: int):
     self.column, self.tokenize, self.vocab_size = column, tokenize, vocab_size
@@ -85,9 +85,3 @@ class DocumentDecoder:
 
   def __call__(self, record) -> dict:
     return shift_to_inputs_and_targets(self.token_ids(record))
-
-  def __getstate__(self):
-    return {k: v for k, v in self.__dict__.items() if k != "_warned_utf8"}
-
-  def __setstate__(self, state):
-    self.__dict__.update(state, _warned_utf8=False)
