@@ -7,12 +7,17 @@ from MaxText.layers import initializers
 
 
 class Embed(nn.Module):
-  """A [vocab, embed] table; `attend` reuses it as the output projection for tied logits."""
+  """A [vocab, embed] table; `attend` reuses it as the output projection for tied logits.
+
+  `dtype` is the dtype of the looked-up embeddings, `attend_dtype` that of the `attend` dot (float32 for
+  logits_dot_in_fp32, as the untied logits' DenseGeneral).
+  """
 
   num_embeddings: int
   features: int
   dtype: str = "float32"
   weight_dtype: str = "float32"
+  attend_dtype: str = "float32"
 
   def setup(self):
     self.embedding = self.param(
@@ -27,7 +32,7 @@ class Embed(nn.Module):
     return nn.with_logical_constraint(y, ("activation_embed_and_logits_batch", "activation_length", "activation_embed"))
 
   def attend(self, x):
-    return jnp.einsum("bte,ve->btv", x, self.embedding.astype(self.dtype))
+    return jnp.einsum("bte,ve->btv", x.astype(self.attend_dtype), self.embedding.astype(self.attend_dtype))  # (B, T, V)
 
 
 def apply_rotary_embedding(x, positions, min_timescale: float, max_timescale: float):

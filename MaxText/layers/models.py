@@ -32,6 +32,11 @@ REMAT_POLICIES = {
 }
 
 
+def logits_dot_dtype(cfg) -> str:
+  """The dtype of the logits matmul, tied (Embed.attend) or untied (logits_dense)."""
+  return "float32" if cfg.logits_dot_in_fp32 else cfg.dtype
+
+
 @functools.cache
 def _scannable(block_cls):
   """The block with nn.scan's (carry, out) signature; params keep the block's own names."""
@@ -86,9 +91,8 @@ class Decoder(nn.Module):
       if cfg.normalize_embedding_logits:
         logits = logits / jnp.sqrt(y.shape[-1])
     else:
-      logits_dtype = "float32" if cfg.logits_dot_in_fp32 else cfg.dtype
       logits = DenseGeneral(
-        cfg.vocab_size, ("embed", "vocab"), dtype=logits_dtype, weight_dtype=cfg.weight_dtype, name="logits_dense"
+        cfg.vocab_size, ("embed", "vocab"), dtype=logits_dot_dtype(cfg), weight_dtype=cfg.weight_dtype, name="logits_dense"
       )(y)
     logits = nn.with_logical_constraint(
       logits, ("activation_embed_and_logits_batch", "activation_length", "activation_vocab")
@@ -104,7 +108,12 @@ class Transformer(nn.Module):
   def setup(self):
     cfg = self.config
     self.token_embedder = Embed(
-      cfg.vocab_size, cfg.emb_dim, dtype=cfg.dtype, weight_dtype=cfg.weight_dtype, name="token_embedder"
+      cfg.vocab_size,
+      cfg.emb_dim,
+      dtype=cfg.dtype,
+      weight_dtype=cfg.weight_dtype,
+      attend_dtype=logits_dot_dtype(cfg),
+      name="token_embedder",
     )
     self.decoder = Decoder(config=cfg, shared_embedding=self.token_embedder, name="decoder")
 

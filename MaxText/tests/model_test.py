@@ -45,6 +45,22 @@ def test_logits_match_float64_reference(block, tied):
   np.testing.assert_allclose(np.asarray(logits), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_tied_logits_dot_runs_in_float32_with_logits_dot_in_fp32():
+  config = tiny_config("dtype=bfloat16", "logits_via_embedding=true", "logits_dot_in_fp32=true")
+  tokens, positions, segments = _inputs()
+  model, params = _init(config, tokens, positions)
+  logits, captured = model.apply(
+    {"params": params}, tokens, positions, segments, capture_intermediates=True, mutable=["intermediates"]
+  )
+  (hidden,) = captured["intermediates"]["decoder"]["decoder_norm"]["__call__"]  # (B, T, E) bfloat16, the dot's input
+  table = np.asarray(params["token_embedder"]["embedding"], np.float64)  # (V, E)
+  scale = np.sqrt(config.emb_dim)
+  expected = np.asarray(hidden, np.float64) @ table.T / scale
+  in_bf16 = np.asarray(jnp.einsum("bte,ve->btv", hidden, table.astype(jnp.bfloat16)), np.float64) / scale
+  np.testing.assert_allclose(np.asarray(logits), expected, rtol=1e-5, atol=1e-5)
+  assert np.abs(in_bf16 - expected).max() > 100 * np.abs(np.asarray(logits) - expected).max()
+
+
 def test_scanned_and_unrolled_layers_give_identical_logits():
   tokens, positions, _ = _inputs()
   scanned = tiny_config("scan_layers=true")
