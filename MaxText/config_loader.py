@@ -14,6 +14,7 @@ from MaxText.errors import ConfigError
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 CONFIGS_DIR = os.path.join(PACKAGE_DIR, "configs")
+BASE_YML = os.path.join(CONFIGS_DIR, "base.yml")  # its defaults type every key, whatever the config file
 ENV_PREFIX = "M_"
 
 # Sources a value can come from, in increasing precedence (derived values are added by pyconfig).
@@ -32,6 +33,11 @@ _Loader.add_implicit_resolver(
   re.compile(r"^[-+]?[0-9][0-9_]*(\.[0-9_]*)?[eE][-+]?[0-9]+$"),
   list("-+0123456789"),
 )
+# Only true/false are booleans, in files as on the command line: YAML 1.1 also reads yes/no/on/off, which
+# would turn `run_name: no` into False.
+for _resolvers in _Loader.yaml_implicit_resolvers.values():
+  _resolvers[:] = [(tag, regexp) for tag, regexp in _resolvers if tag != "tag:yaml.org,2002:bool"]
+_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 
 
 def parse_yaml(text: str, where: str):
@@ -56,27 +62,59 @@ def _read_yaml_mapping(path: str) -> dict:
   return data
 
 
-def load_config_file(path: str, _seen: tuple = ()) -> tuple[dict, dict]:
-  """Loads a YAML config and, recursively, its `base_config:` parents. Returns (values, sources)."""
+def display_path(path: str) -> str:
+  """A file's name as messages and sources show it: relative to the cwd when it is below it."""
+  rel = os.path.relpath(path)
+  return path if rel.startswith("..") else rel
+
+
+def base_defaults() -> dict:
+  """The keys of MaxText/configs/base.yml and their defaults: every key's type is its default's type."""
+  defaults = _read_yaml_mapping(BASE_YML)
+  defaults.pop("base_config", None)
+  return defaults
+
+
+def _config_chain(path: str, seen: tuple = ()) -> list[tuple[str, dict]]:
+  """(absolute path, mapping) of a config file and its `base_config:` parents, the root first."""
   if not os.path.isfile(path):
     raise ConfigError(f"config file '{path}' does not exist (e.g. MaxText/configs/base.yml)")
   path = os.path.abspath(path)
-  if path in _seen:
+  if path in seen:
     raise ConfigError(f"base_config: '{path}' includes itself")
   data = _read_yaml_mapping(path)
-  values, sources = {}, {}
   parent = data.pop("base_config", None)
-  if parent:
-    parent_path = os.path.join(os.path.dirname(path), parent)
-    if not os.path.isfile(parent_path):
-      parent_path = os.path.join(CONFIGS_DIR, parent)
-    if not os.path.isfile(parent_path):
-      raise ConfigError(f"base_config: '{parent}' (in {path}) is neither next to that file nor in {CONFIGS_DIR}")
-    values, sources = load_config_file(parent_path, _seen + (path,))
-  name = os.path.relpath(path) if not os.path.relpath(path).startswith("..") else path
-  for k, v in data.items():
-    values[k] = v
-    sources[k] = name
+  if not parent:
+    return [(path, data)]
+  parent_path = os.path.join(os.path.dirname(path), str(parent))
+  if not os.path.isfile(parent_path):
+    parent_path = os.path.join(CONFIGS_DIR, str(parent))
+  if not os.path.isfile(parent_path):
+    raise ConfigError(f"base_config: '{parent}' (in {path}) is neither next to that file nor in {CONFIGS_DIR}")
+  return _config_chain(parent_path, seen + (path,)) + [(path, data)]
+
+
+def load_config_file(path: str, defaults: dict | None = None) -> tuple[dict, dict]:
+  """Loads a YAML config over the defaults of base.yml, with its `base_config:` parents. Returns (values, sources).
+
+  Every file of the chain is checked like the command line: a key that base.yml does not have is an error,
+  and each value is converted to the type of its base.yml default (the error names the file).
+
+  Args:
+    path: the config file named on the command line.
+    defaults: base_defaults(), when the caller has already read them.
+  """
+  defaults = base_defaults() if defaults is None else defaults
+  values = dict(defaults)
+  sources = dict.fromkeys(defaults, display_path(BASE_YML))
+  for file_path, data in _config_chain(path):
+    if os.path.samefile(file_path, BASE_YML):
+      continue  # its values are the defaults already
+    name = display_path(file_path)
+    for key, value in data.items():
+      if key not in defaults:
+        raise ConfigError(f"unknown config key '{key}' in {name}{closest_key_hint(key, defaults)}")
+      values[key], sources[key] = coerce_value(key, value, defaults[key], where=name), name
   return values, sources
 
 
@@ -85,41 +123,76 @@ def closest_key_hint(key: str, candidates) -> str:
   return f"; did you mean '{match[0]}'?" if match else ""
 
 
-def _type_name(t: type) -> str:
-  return {bool: "a boolean (true/false)", int: "an integer", float: "a number", str: "a string", list: "a list"}[t]
-
-
-def coerce_value(key: str, value, default):
-  """Converts an override (a CLI/env string or a Python value) to the type of the key's default."""
-  expected = type(default)
-  if default is None or expected not in (bool, int, float, str, list):
-    return parse_yaml(value, f"value of '{key}'") if isinstance(value, str) else value
-  if not isinstance(value, str):
-    if expected is float and isinstance(value, int) and not isinstance(value, bool):
-      return float(value)
-    if isinstance(value, expected) and not (expected is int and isinstance(value, bool)):
-      return value
-    raise ConfigError(f"{key}={value!r} has the wrong type: expected {_type_name(expected)}")
-  if expected is str:
+def _show(value) -> str:
+  """A value as the user wrote it: strings as they are, anything else in YAML flow style."""
+  if isinstance(value, str):
     return value
+  return yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix("\n...").strip()
+
+
+def _example(default) -> str:
+  """A short example of a list value, for hints: the default, or its first elements when it is long."""
+  for n in range(len(default), 0, -1):
+    text = _show(default[:n])
+    if len(text) <= 60:
+      return text if n == len(default) else f"{text[:-1]}, ...]"
+  return f"[{_show(default[0])}, ...]"
+
+
+def _check_list_items(subject: str, value: list, default: list) -> None:
+  """A list must nest like its default: a list of names, or a list of lists of names."""
+  if default and all(isinstance(d, str) for d in default):
+    if not all(isinstance(v, str) for v in value):
+      raise ConfigError(f"{subject} must be a flat list of names, e.g. {_example(default)}")
+  elif default and all(isinstance(d, list) and all(isinstance(n, str) for n in d) for d in default):
+    if not all(isinstance(v, list) and all(isinstance(n, str) for n in v) for v in value):
+      raise ConfigError(f"{subject} must be a list of lists of names, e.g. {_example(default)}")
+
+
+def coerce_value(key: str, value, default, where: str | None = None):
+  """Converts a value to the type of the key's default in base.yml, or raises ConfigError naming it.
+
+  The same rules hold for every layer: a string (CLI, environment, or a quoted YAML value) is read as YAML;
+  an integer key takes an integral number (`1e5` is 100000); a number key takes an integer; a list must
+  nest like its default.
+
+  Args:
+    key: the config key.
+    value: a CLI/env string, or a value read from a YAML file or given from Python.
+    default: the key's default in base.yml (its type is the key's type; None means any YAML value).
+    where: the file the value comes from (for the message), or None for the command line and environment.
+  """
+  subject = f"{key}={_show(value)}" if where is None else f"{key}: {_show(value)} in {where}"
+  expected = type(default)
+  if expected is str:
+    if value is None:  # `key:` with nothing after it in YAML
+      return ""
+    if not isinstance(value, str):
+      raise ConfigError(f'{subject} is not a string; quote it, e.g. "{_show(value)}"')
+    return value
+  parsed = value
+  if isinstance(value, str):
+    parsed = parse_yaml(value, f"value of '{key}'") if value.strip() else None
+  if default is None or expected not in (bool, int, float, list):
+    return parsed
   if expected is bool:
-    lowered = value.strip().lower()
-    if lowered not in ("true", "false"):
-      raise ConfigError(f"{key}={value} is not a boolean: use true or false")
-    return lowered == "true"
-  parsed = parse_yaml(value, f"value of '{key}'") if value.strip() else None
+    if not isinstance(parsed, bool):
+      raise ConfigError(f"{subject} is not a boolean: use true or false")
+    return parsed
   if expected is int:
     if isinstance(parsed, float) and parsed.is_integer():
       parsed = int(parsed)
     if not isinstance(parsed, int) or isinstance(parsed, bool):
-      raise ConfigError(f"{key}={value} is not an integer")
+      raise ConfigError(f"{subject} is not an integer")
     return parsed
   if expected is float:
     if not isinstance(parsed, (int, float)) or isinstance(parsed, bool):
-      raise ConfigError(f"{key}={value} is not a number (e.g. 0.5 or 3e-4)")
+      raise ConfigError(f"{subject} is not a number (e.g. 0.5 or 3e-4)")
     return float(parsed)
-  if not isinstance(parsed, list):  # list
-    raise ConfigError(f'{key}={value} is not a list: write it in YAML syntax, e.g. {key}="{default}"')
+  if not isinstance(parsed, list):
+    example = f'{key}="{_example(default)}"' if where is None else f"{key}: {_example(default)}"
+    raise ConfigError(f"{subject} is not a list: write it in YAML syntax, e.g. {example}")
+  _check_list_items(subject, parsed, default)
   return parsed
 
 
@@ -161,11 +234,12 @@ def list_model_presets(config_dir: str) -> list[str]:
   return sorted(names)
 
 
-def load_model_preset(model_name: str, config_dir: str) -> dict:
+def load_model_preset(model_name: str, config_dir: str) -> tuple[dict, str]:
+  """The mapping of configs/models/<model_name>.yml (next to the config file, else MaxText's) and its path."""
   for d in (os.path.join(config_dir, "models"), os.path.join(CONFIGS_DIR, "models")):
     path = os.path.join(d, f"{model_name}.yml")
     if os.path.isfile(path):
-      return _read_yaml_mapping(path)
+      return _read_yaml_mapping(path), display_path(path)
   valid = ", ".join(["default"] + list_model_presets(config_dir))
   raise ConfigError(f"model_name={model_name} is not a known model; valid: {valid}")
 
@@ -188,9 +262,10 @@ def load_raw_config(argv: list[str], environ, kwargs: dict | None = None) -> tup
     got = f" got '{argv[1]}'" if len(argv) > 1 else " got nothing"
     raise ConfigError(f"the first argument must be a config file, e.g. MaxText/configs/base.yml;{got}")
   config_path = argv[1]
-  values, sources = load_config_file(config_path)
+  defaults = base_defaults()
+  values, sources = load_config_file(config_path, defaults)
   cli = parse_cli(argv[2:])
-  env = env_overrides(environ, values)
+  env = env_overrides(environ, defaults)
   both = sorted(set(cli) & set(env))
   if both:
     raise ConfigError(f"key '{both[0]}' is set both on the command line and by {ENV_PREFIX}{both[0].upper()}; keep one")
@@ -198,14 +273,14 @@ def load_raw_config(argv: list[str], environ, kwargs: dict | None = None) -> tup
   overrides.update({k: (v, SOURCE_CLI) for k, v in cli.items()})
   overrides.update({k: (v, SOURCE_KWARGS) for k, v in (kwargs or {}).items()})
   for key in overrides:
-    if key not in values:
-      raise ConfigError(f"unknown config key '{key}'{closest_key_hint(key, values)}")
-  typed = {k: (coerce_value(k, v, values[k]), src) for k, (v, src) in overrides.items()}
+    if key not in defaults:
+      raise ConfigError(f"unknown config key '{key}'{closest_key_hint(key, defaults)}")
+  typed = {k: (coerce_value(k, v, defaults[k]), src) for k, (v, src) in overrides.items()}
 
-  model_name = typed["model_name"][0] if "model_name" in typed else values.get("model_name", "default")
+  model_name = typed["model_name"][0] if "model_name" in typed else values["model_name"]
   if model_name != "default":
-    preset = load_model_preset(model_name, os.path.dirname(os.path.abspath(config_path)))
-    allow_override = typed.get("override_model_config", (values.get("override_model_config", False),))[0]
+    preset, preset_path = load_model_preset(model_name, os.path.dirname(os.path.abspath(config_path)))
+    allow_override = typed.get("override_model_config", (values["override_model_config"],))[0]
     clashes = sorted(set(preset) & set(typed))
     if clashes and not allow_override:
       raise ConfigError(
@@ -213,9 +288,9 @@ def load_raw_config(argv: list[str], environ, kwargs: dict | None = None) -> tup
         "pass override_model_config=true to let your value win"
       )
     for key, value in preset.items():
-      if key not in values:
-        raise ConfigError(f"model preset '{model_name}' sets unknown key '{key}'{closest_key_hint(key, values)}")
-      value = coerce_value(key, value, values[key])
+      if key not in defaults:
+        raise ConfigError(f"model preset '{model_name}' sets unknown key '{key}'{closest_key_hint(key, defaults)}")
+      value = coerce_value(key, value, defaults[key], where=preset_path)
       if key == "logical_axis_rules":
         value = merge_logical_axis_rules(values[key], value)
       values[key], sources[key] = value, f"{SOURCE_MODEL} {model_name}"

@@ -142,7 +142,23 @@ def _check_mesh(v):
         raise ConfigError(f"logical_axis_rules maps '{rule[0]}' to '{axis}', which is not in mesh_axes ({', '.join(axes)})")
 
 
+def check_run_name(name: str, origin: str = "") -> None:
+  """Outputs go to base_output_directory/run_name: the name must stay one directory below it.
+
+  Args:
+    name: the run name.
+    origin: where it came from when that is not obvious (e.g. the JOBSET_NAME variable), for the message.
+  """
+  if "/" in name or "\\" in name or name in (".", ".."):
+    given = f"run_name={name}" + (f" (from {origin})" if origin else "")
+    raise ConfigError(
+      f"{given} must be a single directory name, without '/', '\\', '.' or '..': outputs go to "
+      "base_output_directory/run_name"
+    )
+
+
 def _check_paths(v):
+  check_run_name(v["run_name"])
   if not str(v["base_output_directory"]).strip():
     raise ConfigError("base_output_directory is empty; give a local directory or a gs:// path")
   if v["load_parameters_path"] and v["load_full_state_path"]:

@@ -70,6 +70,11 @@ def _set(values, sources, key, value):
   sources[key] = SOURCE_DERIVED
 
 
+def _normalise(values, key, value):
+  """Replaces a value by its normal form (a tuple, an absolute path); it keeps the source of what the user gave."""
+  values[key] = value
+
+
 def _is_remote(path: str) -> bool:
   return "://" in path
 
@@ -104,12 +109,13 @@ def resolve_asset_path(path: str, config_path: str) -> str | None:
 
 
 def _derive_static(values, sources, environ):
-  if not values["run_name"]:
-    _set(values, sources, "run_name", environ.get("JOBSET_NAME", ""))
+  if not values["run_name"] and environ.get("JOBSET_NAME"):
+    values["run_name"], sources["run_name"] = environ["JOBSET_NAME"], f"{config_loader.SOURCE_ENV} JOBSET_NAME"
+    config_validation.check_run_name(values["run_name"], origin="JOBSET_NAME")
   _scaled_dims(values, sources)
   out = str(values["base_output_directory"])
   if not _is_remote(out):
-    _set(values, sources, "base_output_directory", os.path.abspath(os.path.expanduser(out)))
+    _normalise(values, "base_output_directory", os.path.abspath(os.path.expanduser(out)))
   run_dir = os.path.join(values["base_output_directory"], values["run_name"]) if values["run_name"] else ""
   for key, sub in (
     ("run_dir", ""),
@@ -123,7 +129,7 @@ def _derive_static(values, sources, environ):
   if values["steps"] == -1:
     _set(values, sources, "steps", values["learning_rate_schedule_steps"])
   if values["jax_cache_dir"] and not _is_remote(values["jax_cache_dir"]):
-    _set(values, sources, "jax_cache_dir", os.path.expanduser(values["jax_cache_dir"]))
+    _normalise(values, "jax_cache_dir", os.path.expanduser(values["jax_cache_dir"]))
   if values["dataset_type"] != "synthetic" and (values["tokenize_train_data"] or values["tokenize_eval_data"]):
     found = resolve_asset_path(values["tokenizer_path"], values["config_path"])
     if found is None:
@@ -131,12 +137,12 @@ def _derive_static(values, sources, environ):
         f"tokenizer_path={values['tokenizer_path']} does not exist (tried the cwd, {config_loader.PACKAGE_DIR} "
         "and the config's directory)"
       )
-    _set(values, sources, "tokenizer_path", found)
-  _set(values, sources, "mesh_axes", tuple(values["mesh_axes"]))
-  _set(values, sources, "data_sharding", tuple(tuple(axes) for axes in values["data_sharding"]))
+    _normalise(values, "tokenizer_path", found)
+  _normalise(values, "mesh_axes", tuple(values["mesh_axes"]))
+  _normalise(values, "data_sharding", tuple(tuple(axes) for axes in values["data_sharding"]))
   rules = tuple((name, tuple(a) if isinstance(a, (list, tuple)) else a) for name, a in values["logical_axis_rules"])
-  _set(values, sources, "logical_axis_rules", rules)
-  _set(values, sources, "mlp_activations", tuple(values["mlp_activations"]))
+  _normalise(values, "logical_axis_rules", rules)
+  _normalise(values, "mlp_activations", tuple(values["mlp_activations"]))
 
 
 def _fill_parallelism(values, prefix: str, total: int, what: str) -> list[int]:
@@ -157,6 +163,18 @@ def _fill_parallelism(values, prefix: str, total: int, what: str) -> list[int]:
       f"{prefix}_*_parallelism multiply to {known} ({set_keys}) but there are {total} {what}; make the product {total}"
     )
   return dims
+
+
+def _check_no_dcn_parallelism(values):
+  """With one slice there is nothing to split across slices: a dcn_* value other than 1 (or the -1 fill) is a mistake."""
+  for axis in values["mesh_axes"]:
+    key = f"dcn_{common_types.MESH_AXIS_KEY[axis]}_parallelism"
+    if values[key] not in (1, -1):
+      ici_key = f"ici_{common_types.MESH_AXIS_KEY[axis]}_parallelism"
+      raise ConfigError(
+        f"{key}={values[key]} but there is one slice (dcn_* parallelism splits across slices); "
+        f"use {ici_key} within a slice, or {key}=1"
+      )
 
 
 def _derive_device_values(values, sources, devices):
@@ -184,6 +202,8 @@ def _derive_device_values(values, sources, devices):
   num_devices = len(devices)
   _set(values, sources, "num_slices", num_slices)
   _set(values, sources, "num_devices", num_devices)
+  if num_slices == 1:
+    _check_no_dcn_parallelism(values)
   dcn = _fill_parallelism(values, "dcn", num_slices, "slices") if num_slices > 1 else [1] * len(values["mesh_axes"])
   ici = _fill_parallelism(values, "ici", num_devices // num_slices, "devices per slice")
   _set(values, sources, "ici_parallelism", tuple(ici))
@@ -225,13 +245,14 @@ def _derive_device_values(values, sources, devices):
 _REQUIRED_HINTS = {"run_name": "name the run, e.g. run_name=demo (outputs go to base_output_directory/run_name)"}
 
 
-def initialize(argv: list[str], environ=None, required_keys: tuple[str, ...] = (), **kwargs) -> Config:
+def initialize(argv: list[str], environ=None, required_keys: tuple[str, ...] = (), devices=None, **kwargs) -> Config:
   """Loads, validates and derives the config.
 
   Args:
     argv: [program, config.yml, key=value, ...], as on the command line.
     environ: environment for M_<KEY> overrides and cluster detection (default os.environ).
     required_keys: keys that must not be empty for this entry point (e.g. run_name for training).
+    devices: the devices the config is for (e.g. those of an AOT topology); default jax.devices().
     **kwargs: typed overrides that win over the command line (for tests).
   """
   environ = os.environ if environ is None else environ
@@ -247,6 +268,8 @@ def initialize(argv: list[str], environ=None, required_keys: tuple[str, ...] = (
 
   from MaxText import jax_runtime  # pylint: disable=import-outside-toplevel
 
-  jax_runtime.maybe_initialize_distributed(values["hardware"], environ)
-  _derive_device_values(values, sources, jax.devices())
+  if devices is None:  # given devices (an AOT topology, a test) need no cluster
+    jax_runtime.maybe_initialize_distributed(values["hardware"], environ)
+    devices = jax.devices()
+  _derive_device_values(values, sources, devices)
   return Config(values, sources)

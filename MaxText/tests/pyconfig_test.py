@@ -3,6 +3,7 @@
 import os
 
 import pytest
+import yaml
 
 from MaxText import config_loader, pyconfig
 from MaxText.errors import ConfigError
@@ -140,3 +141,113 @@ def test_environment_and_cli_cannot_both_set_a_key():
 def test_logical_axis_rules_merge_keeps_base_order():
   merged = config_loader.merge_logical_axis_rules([["a", "x"], ["b", "y"], ["a", "z"]], [["a", "w"]])
   assert merged == [["b", "y"], ["a", "w"]]
+
+
+class FakeDevice:
+  """What pyconfig reads of a device: its platform and its slice."""
+
+  def __init__(self, slice_index=0, platform="cpu"):
+    self.slice_index = slice_index
+    self.platform = platform
+
+
+def _child(tmp_path, text, name="child.yml"):
+  path = tmp_path / name
+  path.write_text(f"base_config: {BASE_YML}\n{text}")
+  return str(path)
+
+
+def test_file_values_are_typed_by_base_yml_like_the_cli(tmp_path):
+  cfg = _child(tmp_path, "steps: 1e5\nlearning_rate: 3.e-5\nvocab_size: 32_000\nmlp_activations: [gelu]\n")
+  c = pyconfig.initialize(["t", cfg, "run_name=x", "per_device_batch_size=1"], environ={})
+  assert c.steps == 100_000 and isinstance(c.steps, int)
+  assert c.learning_rate == 3e-5 and c.vocab_size == 32_000 and c.mlp_activations == ("gelu",)
+
+
+def test_an_integer_in_a_child_file_does_not_make_a_float_key_an_integer(tmp_path):
+  cfg = _child(tmp_path, "per_device_batch_size: 2\n")
+  values, _ = config_loader.load_raw_config(["t", cfg, "run_name=x", "per_device_batch_size=0.5"], {})
+  assert values["per_device_batch_size"] == 0.5
+  values, _ = config_loader.load_raw_config(["t", cfg, "run_name=x"], {})
+  assert values["per_device_batch_size"] == 2.0 and isinstance(values["per_device_batch_size"], float)
+
+
+def test_a_config_outside_the_base_chain_is_typed_and_completed_by_base_yml(tmp_path):
+  alone = tmp_path / "alone.yml"
+  alone.write_text("steps: 5.0\nscan_layers: false\n")
+  c = pyconfig.initialize(["t", str(alone), "run_name=x", "per_device_batch_size=1"], environ={})
+  assert c.steps == 5 and isinstance(c.steps, int) and c.scan_layers is False
+  assert c.source("steps").endswith("alone.yml") and c.source("adam_b1").endswith(os.path.join("configs", "base.yml"))
+  alone.write_text("stpes: 5\n")
+  with pytest.raises(ConfigError, match=r"unknown config key 'stpes' in .*alone.yml; did you mean 'steps'\?"):
+    pyconfig.initialize(["t", str(alone), "run_name=x"], environ={})
+
+
+def _cli_text(value) -> str:
+  if isinstance(value, str):
+    return value
+  return yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix("...").strip()
+
+
+def test_every_key_set_on_the_command_line_keeps_that_source():
+  # Values that pyconfig fills in (auto, autoselected, -1) are derived; every other value the user gives
+  # keeps its source even when pyconfig normalises it (tuples, absolute paths, ~ expanded).
+  filled = {"hardware": "cpu", "attention": "dot_product", "learning_rate_schedule_steps": 10, "steps": 10}
+  args = [f"{key}={_cli_text(filled.get(key, default))}" for key, default in config_loader.base_defaults().items()]
+  c = pyconfig.initialize(["t", BASE_YML, *args], environ={})
+  wrong = {key: c.source(key) for key in config_loader.base_defaults() if c.source(key) != "command line"}
+  assert not wrong
+  assert c.mesh_axes == tuple(config_loader.base_defaults()["mesh_axes"]) and os.path.isabs(c.tokenizer_path)
+  assert "mlp_activations: [silu, linear]  # command line" in c.to_yaml()
+
+
+NORMALISED_KEYS = {
+  "mlp_activations": "[gelu]",
+  "mesh_axes": "[data, stage, fsdp, fsdp_transpose, sequence, tensor, expert, autoregressive]",
+  "data_sharding": "[[data, fsdp]]",
+  "logical_axis_rules": "[[embed, fsdp]]",
+  "base_output_directory": "relative_out",
+  "tokenizer_path": "assets/tokenizer.default",
+  "jax_cache_dir": "~/some_cache",
+}
+
+
+@pytest.mark.parametrize("key", sorted(NORMALISED_KEYS))
+def test_a_normalised_value_keeps_its_source(tmp_path, key):
+  text = NORMALISED_KEYS[key]
+  from_cli = pyconfig.initialize(["t", BASE_YML, "run_name=x", f"{key}={text}"], environ={})
+  assert from_cli.source(key) == "command line"
+  assert [line for line in from_cli.to_yaml().splitlines() if line.startswith(f"{key}:")][0].endswith("# command line")
+  from_env = pyconfig.initialize(["t", BASE_YML, "run_name=x"], environ={f"M_{key.upper()}": text})
+  assert from_env.source(key) == "environment"
+  cfg = _child(tmp_path, f"{key}: {text}\n")
+  assert pyconfig.initialize(["t", cfg, "run_name=x"], environ={}).source(key).endswith("child.yml")
+
+
+def test_preset_values_keep_the_preset_as_source():
+  c = pyconfig.initialize(["t", BASE_YML, "run_name=x", "model_name=llama2-7b", "per_device_batch_size=1"], environ={})
+  assert c.source("mlp_activations") == c.source("logical_axis_rules") == "model preset llama2-7b"
+
+
+def test_dcn_parallelism_needs_more_than_one_slice():
+  with pytest.raises(ConfigError, match="dcn_fsdp_parallelism=2 but there is one slice"):
+    pyconfig.initialize(["t", BASE_YML, "run_name=x", "dcn_fsdp_parallelism=2"], environ={})
+  two_slices = [FakeDevice(slice_index=i // 4) for i in range(8)]
+  c = pyconfig.initialize(
+    ["t", BASE_YML, "run_name=x", "dcn_data_parallelism=1", "dcn_fsdp_parallelism=2"], environ={}, devices=two_slices
+  )
+  fsdp = c.mesh_axes.index("fsdp")
+  assert c.num_slices == 2 and c.dcn_parallelism[fsdp] == 2 and c.ici_parallelism[fsdp] == 4
+
+
+@pytest.mark.parametrize("name", ["../elsewhere", "a/b", "..", ".", "a\\b", "/abs"])
+def test_run_name_cannot_leave_the_output_directory(name):
+  with pytest.raises(ConfigError, match="must be a single directory name"):
+    pyconfig.initialize(["t", BASE_YML, f"run_name={name}"], environ={})
+
+
+def test_run_name_from_jobset_name_is_checked_and_sourced():
+  with pytest.raises(ConfigError, match=r"run_name=team/run \(from JOBSET_NAME\)"):
+    pyconfig.initialize(["t", BASE_YML], environ={"JOBSET_NAME": "team/run"})
+  c = pyconfig.initialize(["t", BASE_YML], environ={"JOBSET_NAME": "job-1.a..b"})
+  assert c.run_name == "job-1.a..b" and c.source("run_name") == "environment JOBSET_NAME"
