@@ -13,29 +13,58 @@ upstream switched to the causal count used here. `causal_attention=False` gives 
 
 import dataclasses
 
-# Peak dense bf16 TFLOP/s per device (per JAX device: a v4/v5p megacore chip, a v5e/v6e chip, one GPU).
-PEAK_BF16_TFLOPS = (
-  ("TPU v4", 275.0),
-  ("TPU v5 lite", 197.0),
-  ("TPU v5e", 197.0),
-  ("TPU v5p", 459.0),
-  ("TPU v5", 459.0),
-  ("TPU v6 lite", 918.0),
-  ("TPU v6e", 918.0),
-  ("A100", 312.0),
-  ("H100 PCIe", 756.0),
-  ("H100", 989.0),
-  ("H200", 989.0),
-  ("B200", 2250.0),
+# Peak dense bf16 TFLOP/s per JAX device (a v4/v5p megacore chip, a v5e/v6e chip, one GPU), by generation.
+PEAK_BF16_TFLOPS = {
+  "v4": 275.0,
+  "v5e": 197.0,
+  "v5p": 459.0,
+  "v6e": 918.0,
+  "a100": 312.0,
+  "h100-pcie": 756.0,
+  "h100-nvl": 835.0,
+  "h100": 989.0,
+  "gh200": 989.0,
+  "h200": 989.0,
+  "b200": 2250.0,
+}
+
+# How jax's device_kind names each generation, matched as lower-case substrings in this order: the more specific
+# names first, because a v5p reports "TPU v5" (a prefix of the v5e's "TPU v5 lite") and "NVIDIA GH200 480GB"
+# contains "H200".
+_DEVICE_KIND_GENERATIONS = (
+  ("tpu v4", "v4"),
+  ("tpu v5 lite", "v5e"),
+  ("tpu v5e", "v5e"),
+  ("tpu v5p", "v5p"),
+  ("tpu v5", "v5p"),
+  ("tpu v6 lite", "v6e"),
+  ("tpu v6e", "v6e"),
+  ("a100", "a100"),
+  ("h100 pcie", "h100-pcie"),
+  ("h100 nvl", "h100-nvl"),
+  ("h100", "h100"),
+  ("gh200", "gh200"),
+  ("h200", "h200"),
+  ("b200", "b200"),
 )
+
+
+def device_generation(device_kind: str) -> str | None:
+  """The generation (a PEAK_BF16_TFLOPS key) of a jax device_kind such as 'TPU v5 lite'; None if unknown."""
+  kind = device_kind.lower()
+  return next((generation for name, generation in _DEVICE_KIND_GENERATIONS if name in kind), None)
 
 
 def peak_tflops_per_device(device_kind: str) -> float | None:
   """Peak bf16 TFLOP/s for a jax device_kind (e.g. 'TPU v5 lite', 'NVIDIA H100 80GB HBM3'); None if unknown."""
-  for name, peak in PEAK_BF16_TFLOPS:  # Ordered so that 'TPU v5 lite' matches before 'TPU v5'.
-    if name.lower() in device_kind.lower():
-      return peak
-  return None
+  generation = device_generation(device_kind)
+  return PEAK_BF16_TFLOPS[generation] if generation else None
+
+
+def mfu(tflops_per_sec_per_device: float, device_kind: str) -> float | None:
+  """Model FLOPs utilisation: achieved TFLOP/s per device over the device's peak; None for an unknown device."""
+  peak = peak_tflops_per_device(device_kind)
+  return tflops_per_sec_per_device / peak if peak else None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Analytic TFLOPs against upstream MaxText's published figures, and the peak table."""
+"""Analytic TFLOPs against upstream MaxText's published figures; device kinds to peaks and MFU."""
 
 import pytest
 
@@ -42,20 +42,46 @@ def test_gradient_accumulation_multiplies_work_and_tokens():
 
 
 @pytest.mark.parametrize(
-  "kind,peak",
-  [
-    ("TPU v4", 275.0),
-    ("TPU v5 lite", 197.0),
-    ("TPU v5", 459.0),
-    ("TPU v5p", 459.0),
-    ("TPU v6 lite", 918.0),
-    ("NVIDIA A100-SXM4-80GB", 312.0),
-    ("NVIDIA H100 80GB HBM3", 989.0),
-    ("NVIDIA H100 PCIe", 756.0),
-    ("NVIDIA H200", 989.0),
-    ("NVIDIA B200", 2250.0),
-    ("cpu", None),
+  "device_kind,generation",
+  [  # device_kind as jax reports it on each machine
+    ("TPU v4", "v4"),
+    ("TPU v5 lite", "v5e"),
+    ("TPU v5", "v5p"),
+    ("TPU v6 lite", "v6e"),
+    ("NVIDIA A100-SXM4-40GB", "a100"),
+    ("NVIDIA A100 80GB PCIe", "a100"),
+    ("NVIDIA H100 80GB HBM3", "h100"),
+    ("NVIDIA H100 PCIe", "h100-pcie"),
+    ("NVIDIA H100 NVL", "h100-nvl"),
+    ("NVIDIA GH200 480GB", "gh200"),
+    ("NVIDIA H200", "h200"),
+    ("NVIDIA B200", "b200"),
   ],
 )
-def test_peak_table(kind, peak):
-  assert flops.peak_tflops_per_device(kind) == peak
+def test_device_kinds_map_to_their_generation(device_kind, generation):
+  assert flops.device_generation(device_kind) == generation
+  assert flops.device_generation(device_kind.upper()) == generation
+  assert flops.peak_tflops_per_device(device_kind) == flops.PEAK_BF16_TFLOPS[generation]
+
+
+@pytest.mark.parametrize("device_kind", ["cpu", "TPU v3", "TPU7x", "Tesla V100-SXM2-16GB", "NVIDIA L4", ""])
+def test_unknown_devices_have_no_peak_and_no_mfu(device_kind):
+  assert flops.device_generation(device_kind) is None
+  assert flops.peak_tflops_per_device(device_kind) is None
+  assert flops.mfu(100.0, device_kind) is None
+
+
+def test_every_generation_has_a_peak_and_cheaper_variants_are_slower():
+  mapped = {generation for _, generation in flops._DEVICE_KIND_GENERATIONS}  # pylint: disable=protected-access
+  assert mapped == set(flops.PEAK_BF16_TFLOPS)
+  peak = flops.peak_tflops_per_device
+  assert peak("TPU v5 lite") < peak("TPU v4") < peak("TPU v5") < peak("TPU v6 lite")
+  assert peak("NVIDIA A100-SXM4-80GB") < peak("NVIDIA H100 PCIe") < peak("NVIDIA H100 NVL") < peak("NVIDIA H100 80GB HBM3")
+  assert peak("NVIDIA H100 80GB HBM3") < peak("NVIDIA B200")
+
+
+def test_mfu_is_achieved_over_peak():
+  v5e_peak = flops.PEAK_BF16_TFLOPS["v5e"]
+  assert flops.mfu(v5e_peak / 4, "TPU v5 lite") == pytest.approx(0.25)
+  # The same throughput is a smaller fraction of a v5p (reported as "TPU v5"), whose peak is higher.
+  assert flops.mfu(v5e_peak / 4, "TPU v5") == pytest.approx(v5e_peak / 4 / flops.PEAK_BF16_TFLOPS["v5p"])
