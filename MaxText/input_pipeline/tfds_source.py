@@ -132,7 +132,10 @@ def stream_opener(config, builder, split: str, train: bool, decode, shard_index:
     order = list(np.random.default_rng([*shard, 0]).permutation(len(files))) if shuffle else list(range(len(files)))
     at = _start(position, order, files, shuffle, where)
     if position is not None:
-      max_logging.log(f"Resuming {where} epoch {epoch} at {at}, without re-reading the records before it")
+      max_logging.log(
+        f"Resuming {where} epoch {epoch} at record {at['record'] + at['taken']} of its file {at['file']} "
+        "(in the epoch's order), without re-reading earlier records"
+      )
     for i in range(at["file"], len(order)):
       filename, skip, take = files[order[i]]
       record, offset, taken = (at["record"], at["offset"], at["taken"]) if i == at["file"] else (0, None, 0)
