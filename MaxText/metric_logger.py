@@ -130,12 +130,13 @@ class MetricLogger:
       self._metrics_file.flush()
 
   def _log_line(self, step: int, m: dict) -> None:
+    # grad_norm is the norm before clipping: the clipped one only repeats the threshold once clipping starts.
     line = (
       f"completed step: {step}, seconds: {m['perf/step_time_seconds']:.3f}, "
       f"TFLOP/s/device: {m['perf/per_device_tflops_per_sec']:.3f}, "
       f"Tokens/s/device: {m['perf/per_device_tokens_per_sec']:.3f}, "
       f"total_weights: {int(m['learning/total_weights'])}, loss: {m['learning/loss']:.3f}, "
-      f"lr: {m['learning/current_learning_rate']:.3e}, grad_norm: {m['learning/grad_norm']:.3f}"
+      f"lr: {m['learning/current_learning_rate']:.3e}, grad_norm: {m['learning/raw_grad_norm']:.3f}"
     )
     if "perf/mfu" in m:
       line += f", MFU: {100 * m['perf/mfu']:.2f}%"

@@ -14,6 +14,7 @@ LOG_LINE = re.compile(
   r"^completed step: (\d+), seconds: \d+\.\d{3}, TFLOP/s/device: \d+\.\d{3}, Tokens/s/device: \d+\.\d{3}, "
   r"total_weights: (\d+), loss: (\d+\.\d{3})(, .*)?$"
 )
+GRAD_NORM = re.compile(r", grad_norm: (\d+\.\d{3})")
 UPSTREAM_KEYS = {
   "step",
   "run_name",
@@ -54,11 +55,16 @@ def _tensorboard_scalars(directory) -> dict:
 
 
 def test_train_logs_every_step_everywhere(tmp_path):
-  result, metrics = _train(tmp_path, "logs", "steps=6", "enable_tensorboard=true")
+  result, metrics = _train(tmp_path, "logs", "steps=6", "enable_tensorboard=true", "gradient_clipping_threshold=1.0")
   lines = [m for m in map(LOG_LINE.match, result.stdout.splitlines()) if m]
   assert [int(m.group(1)) for m in lines] == list(range(6))
   assert all(int(m.group(2)) == 2 * 32 for m in lines)
   assert [float(m.group(3)) for m in lines] == [round(m["learning/loss"], 3) for m in metrics]
+  # The console shows the gradient norm before clipping; the metrics file keeps both.
+  console_norms = [float(GRAD_NORM.search(m.group(0)).group(1)) for m in lines]
+  assert console_norms == [round(m["learning/raw_grad_norm"], 3) for m in metrics]
+  assert [m["learning/grad_norm"] for m in metrics] == [min(m["learning/raw_grad_norm"], 1.0) for m in metrics]
+  assert max(console_norms) > 1.0  # clipping was active (gradient_clipping_threshold=1.0)
   assert all(UPSTREAM_KEYS | {"learning/update_norm"} <= set(m) for m in metrics)
   assert [m["step"] for m in metrics] == [float(s) for s in range(6)]
   assert metrics[-1]["learning/loss"] < metrics[0]["learning/loss"]
