@@ -8,6 +8,7 @@ latest good checkpoint; load_parameters_path (params only); load_full_state_path
 import dataclasses
 import json
 import os
+import re
 import signal
 import time
 
@@ -25,6 +26,24 @@ QUARANTINE_DIR = "corrupted_checkpoints"
 # Test-only fault injection: "kill_during_save:<step>" SIGKILLs the process while that step's async save is in flight.
 FAULT_INJECTION_ENV = "MAXTEXT_FAULT_INJECTION"
 _MAX_LISTED_MISMATCHES = 5
+_TREE_METADATA_FILE = "_METADATA"  # Orbax's metadata of an items directory (the tree, its shapes and dtypes)
+# How a checkpoint read went, worst last: every process takes the branch of the worst verdict.
+_OK, _DAMAGED, _UNREADABLE = 0, 1, 2
+# Tensorstore (the array reads) reports errors as ValueError("<STATUS>: ..."); these statuses mean bad or missing bytes.
+_DAMAGE_STATUSES = ("NOT_FOUND", "DATA_LOSS", "OUT_OF_RANGE", "FAILED_PRECONDITION", "INVALID_ARGUMENT")
+_TENSORSTORE_STATUSES = _DAMAGE_STATUSES + (
+  "PERMISSION_DENIED",
+  "UNAUTHENTICATED",
+  "UNAVAILABLE",
+  "DEADLINE_EXCEEDED",
+  "RESOURCE_EXHAUSTED",
+  "ABORTED",
+  "CANCELLED",
+  "INTERNAL",
+  "UNKNOWN",
+  "UNIMPLEMENTED",
+  "ALREADY_EXISTS",
+)
 
 
 class DataIteratorHandler(ocp.CheckpointHandler):
@@ -111,6 +130,52 @@ def _all_processes(ok: bool) -> bool:
   return bool(np.all(multihost_utils.process_allgather(np.array(ok))))
 
 
+def _worst_on_any_process(verdict: int) -> int:
+  """The highest verdict over all processes (so that all take the same branch)."""
+  if jax.process_count() == 1:
+    return verdict
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+  return int(np.max(multihost_utils.process_allgather(np.array(verdict))))
+
+
+def _status_code(error: BaseException) -> str | None:
+  """The status of a tensorstore error (a ValueError reading "NOT_FOUND: ..."), or None."""
+  match = re.match(r"([A-Z_]+): ", str(error))
+  return match.group(1) if isinstance(error, ValueError) and match and match.group(1) in _TENSORSTORE_STATUSES else None
+
+
+def _error_kind(error: BaseException) -> str | None:
+  """What a checkpoint read error shows: "damaged" (files missing or malformed), "access" (permissions, I/O or
+  network errors, storage 5xx or throttling: the files may be fine), or None (unknown). Follows the chain of causes."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
+      return "damaged"
+    if isinstance(error, OSError):
+      return "access"
+    if isinstance(error, (json.JSONDecodeError, UnicodeDecodeError, EOFError)):
+      return "damaged"
+    if type(error).__module__.startswith("msgpack"):
+      return "damaged"  # msgpack's decode errors
+    status = _status_code(error)
+    if status is not None:
+      return "damaged" if status in _DAMAGE_STATUSES else "access"
+    http_status = getattr(error, "code", None)  # google.api_core / HTTP client errors carry the HTTP status
+    if isinstance(http_status, int) and 400 <= http_status < 600:
+      return "damaged" if http_status == 404 else "access"
+    error = error.__cause__ or error.__context__
+  return None
+
+
+def _verdict(error: Exception | None) -> int:
+  """_OK, _DAMAGED (only when the error shows damage) or _UNREADABLE (any other error: move nothing)."""
+  if error is None:
+    return _OK
+  return _DAMAGED if _error_kind(error) == "damaged" else _UNREADABLE
+
+
 def _quarantine(manager, step: int, reason: str) -> None:
   """Moves an unreadable checkpoint out of the way (kept for inspection, never deleted)."""
   source = epath.Path(manager.directory) / str(step)
@@ -147,43 +212,89 @@ def _tree_metadata(path, key: str) -> dict:
   return tree
 
 
-def _readable_on_host(step_dir: str) -> bool:
-  """Whether a checkpoint whose restore failed still reads back, array by array, as host arrays.
+def _readable_on_host(step_dir: str, tree) -> Exception | None:
+  """Why a checkpoint whose restore failed does not read back, array by array, as host arrays (None: it does).
 
-  One array at a time, so that even a large model's check fits in host memory.
+  One array at a time, so that even a large model's check fits in host memory. `tree` is the items' metadata tree.
   """
   try:
     path = epath.Path(step_dir) / STATE_ITEM
     checkpointer = ocp.PyTreeCheckpointer()
-    tree = checkpointer.metadata(path).item_metadata.tree
     as_numpy = ocp.RestoreArgs(restore_type=np.ndarray)
     for wanted, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
       item = jax.tree_util.tree_map_with_path(lambda p, leaf, w=wanted: leaf if p == w else ocp.PLACEHOLDER, tree)
       args = jax.tree_util.tree_map_with_path(lambda p, _, w=wanted: as_numpy if p == w else ocp.PLACEHOLDER, tree)
       checkpointer.restore(path, args=ocp.args.PyTreeRestore(item=item, restore_args=args))
     DataIteratorHandler().restore(epath.Path(step_dir) / DATA_ITEM)
-    return True
-  except Exception:  # pylint: disable=broad-except
-    return False
+    return None
+  except Exception as e:  # pylint: disable=broad-except
+    return e
+
+
+def _saved_tree(manager, step: int):
+  """The metadata tree of a checkpoint's train state (its array shapes), without reading any array."""
+  try:
+    saved = manager.item_metadata(step)[STATE_ITEM]
+  except KeyError:  # Orbax: "Unknown key: items", its directory is absent or cannot be listed
+    saved = None
+  if saved is None:
+    # Orbax reports a missing and an inaccessible metadata file alike (as absent): reading it here raises
+    # the error that tells them apart (FileNotFoundError vs PermissionError, a storage error, ...).
+    metadata_file = epath.Path(manager.directory) / str(step) / STATE_ITEM / _TREE_METADATA_FILE
+    metadata_file.read_bytes()
+    raise RuntimeError(f"Orbax finds no train state metadata although {metadata_file} is readable")
+  return saved.tree
+
+
+def _why_restore_failed(where: str, tree, error: Exception | None) -> tuple[int, str]:
+  """After a restore that failed on some process: (the verdict every process shares, this process's reason).
+
+  Process 0 reads the files back as plain arrays: that tells a damaged checkpoint (_DAMAGED) from one that
+  cannot be read right now (_UNREADABLE) and from one that is intact but does not fit this run (_OK).
+  """
+  reason = _short(error) if error else "failed on another process"
+  verdict = _OK
+  if jax.process_index() == 0:
+    host_error = _readable_on_host(where, tree)
+    verdict = _verdict(host_error)
+    reason = _short(host_error) if host_error else reason
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+    verdict = int(multihost_utils.broadcast_one_to_all(np.array(verdict)))
+  if verdict == _OK and error is not None and _error_kind(error) == "access":
+    verdict = _UNREADABLE  # the arrays read back on process 0, but this process cannot read them
+  return verdict, reason
+
+
+def _unreadable(where: str, reason: str) -> UserError:
+  return UserError(
+    f"cannot read the checkpoint {where} ({reason}); this does not show that it is damaged, so nothing was moved: "
+    "fix the access and rerun (or move it aside yourself to resume from the previous checkpoint)"
+  )
 
 
 def restore_latest(manager, abstract_state):
   """The newest readable checkpoint of this run: (state, data_iterator_state or None), or None if there is none.
 
-  A checkpoint that cannot be read (a truncated or missing file) is reported, moved aside, and the
-  previous one is tried; every process takes the same decision. A checkpoint of another model, or an
-  intact one that cannot be restored onto this run, is a UserError (no silent fallback).
+  A checkpoint shown to be damaged (a truncated, undecodable or missing file) is reported, moved aside,
+  and the previous one is tried; any other read error (permissions, I/O, storage or network errors) stops
+  the run with a UserError and moves nothing. Every process takes the same decision. A checkpoint of another
+  model, or an intact one that cannot be restored onto this run, is a UserError (no silent fallback).
   """
   damaged = False
   for step in sorted(manager.all_steps(), reverse=True):
     where = str(epath.Path(manager.directory) / str(step))
     error = None
     try:
-      saved = manager.item_metadata(step)[STATE_ITEM]
-      saved_params = saved.tree["params"]
-    except Exception as e:  # pylint: disable=broad-except  # any unreadable metadata means a damaged checkpoint
+      tree = _saved_tree(manager, step)
+      saved_params = tree["params"]
+    except Exception as e:  # pylint: disable=broad-except  # classified below: damaged, or unreadable for now
       error = e
-    if not _all_processes(error is None):
+    verdict = _worst_on_any_process(_verdict(error))
+    if verdict == _UNREADABLE:
+      raise _unreadable(where, _short(error) if error else "the read failed on another process")
+    if verdict == _DAMAGED:
       _quarantine(manager, step, _short(error) if error else "unreadable on another process")
       damaged = True
       continue
@@ -196,14 +307,11 @@ def restore_latest(manager, abstract_state):
     if _all_processes(error is None):
       max_logging.log(f"Restored the checkpoint of step {step} from {where}")
       return restored[STATE_ITEM], restored[DATA_ITEM]
-    reason = _short(error) if error else "failed on another process"
-    readable = _readable_on_host(where) if jax.process_index() == 0 else False
-    if jax.process_count() > 1:
-      from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-
-      readable = bool(multihost_utils.broadcast_one_to_all(np.array(readable)))
-    if readable:
+    verdict, reason = _why_restore_failed(where, tree, error)
+    if verdict == _OK:
       raise UserError(f"checkpoint {where} is intact but cannot be restored onto this run: {reason}")
+    if verdict == _UNREADABLE:
+      raise _unreadable(where, reason)
     _quarantine(manager, step, reason)
     damaged = True
   if damaged:

@@ -1,6 +1,7 @@
 """Checkpoints: exact resume, completed runs, preemption, damaged checkpoints, model mismatches, loading."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -76,7 +77,7 @@ def test_sigterm_saves_the_current_step_and_exits_zero(tmp_path, reference):
   assert _losses(metrics)[:10] == _losses(ref)[: min(10, last + 3)]
 
 
-@pytest.mark.parametrize("damage", ["truncate_data", "delete_metadata"])
+@pytest.mark.parametrize("damage", ["truncate_data", "truncate_metadata", "delete_metadata"])
 def test_a_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path, reference, damage):
   _, ref = reference
   _ok(run_train(tmp_path, "dmg", "steps=8", "checkpoint_period=3", "learning_rate_schedule_steps=10")[0])
@@ -86,6 +87,8 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path, refere
       for name in files:
         with open(os.path.join(root, name), "r+b") as f:
           f.truncate(10)
+  elif damage == "truncate_metadata":
+    os.truncate(items / "_METADATA", 100)
   else:
     os.remove(items / "_METADATA")
   result, metrics = run_train(tmp_path, "dmg", "steps=10", "checkpoint_period=3", "learning_rate_schedule_steps=10")
@@ -94,6 +97,37 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path, refere
   assert "Restored the checkpoint of step 6" in result.stdout
   assert os.listdir(tmp_path / "dmg" / "corrupted_checkpoints")  # moved aside, not deleted
   assert _losses(metrics) == _losses(ref)
+
+
+def _obeying_file_permissions() -> list[str]:
+  """A command prefix under which file permissions apply: root ignores them unless it gives up the
+  capabilities that override them."""
+  if os.geteuid() != 0:
+    return []
+  prefix = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"]
+  if shutil.which("setpriv") is None or subprocess.run([*prefix, "true"], check=False).returncode != 0:
+    pytest.skip("running as root without setpriv: cannot make a file unreadable")
+  return prefix
+
+
+def test_an_unreadable_latest_checkpoint_stops_the_run_and_moves_nothing(tmp_path):
+  _ok(run_train(tmp_path, "perm", "steps=5", "checkpoint_period=2")[0])
+  metadata = tmp_path / "perm" / "checkpoints" / "4" / "items" / "_METADATA"
+  argv = [*_obeying_file_permissions(), sys.executable, TRAIN_PY, "MaxText/configs/base.yml", "run_name=perm"]
+  argv += tiny_args(f"base_output_directory={tmp_path}", "steps=7", "checkpoint_period=2")
+  env = {k: v for k, v in os.environ.items() if not k.startswith("M_")}
+  os.chmod(metadata, 0)  # what a wrong owner or a storage permission error gives: the files are fine
+  try:
+    result = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+  finally:
+    os.chmod(metadata, 0o644)
+  assert result.returncode == 2
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1, lines
+  assert lines[0].startswith(f"Error: cannot read the checkpoint {tmp_path}/perm/checkpoints/4 (PermissionError: ")
+  assert "nothing was moved" in lines[0]
+  assert sorted(os.listdir(tmp_path / "perm" / "checkpoints"), key=int) == ["0", "2", "4"]
+  assert not os.path.exists(tmp_path / "perm" / "corrupted_checkpoints")
 
 
 @pytest.mark.parametrize(
