@@ -8,6 +8,25 @@ import jax
 from MaxText.input_pipeline.input_pipeline_interface import create_eval_iterator
 
 
+def check_eval_data(config, mesh) -> None:
+  """Opens the eval data and reads its first batch when the run evaluates (eval_interval > 0).
+
+  A wrong eval split, glob or file, or empty eval data, then raises the input pipeline's UserError before
+  step 0 instead of at the first eval, after eval_interval steps of training.
+
+  Args:
+    config: the run's Config.
+    mesh: the device mesh the eval batches are sharded over.
+  """
+  if config.eval_interval <= 0:
+    return
+  iterator = create_eval_iterator(config, mesh)
+  try:
+    next(iterator)
+  finally:
+    iterator.close()
+
+
 def evaluate(config, mesh, p_eval_step, params) -> dict:
   """Token-weighted mean loss over the eval data; stops at eval_steps or when every process is out of data."""
   start = time.time()

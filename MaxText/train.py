@@ -58,11 +58,13 @@ def train_loop(config):
   """Trains until config.steps (or a SIGTERM/SIGINT) and returns the final train state."""
   # pylint: disable=import-outside-toplevel
   from MaxText import checkpointing, train_state
+  from MaxText.evaluation import check_eval_data
   from MaxText.input_pipeline.input_pipeline_interface import create_data_iterator
   from MaxText.mesh import create_device_mesh
 
   _prepare_run_dir(config)
   mesh = create_device_mesh(config)
+  check_eval_data(config, mesh)  # a wrong eval split, glob or file stops the run now, not at step eval_interval
   setup = train_state.build(config, mesh)
   data_iterator = create_data_iterator(config, mesh)
   manager = checkpointing.create_checkpoint_manager(config)
@@ -100,12 +102,15 @@ def _run_steps(config, mesh, model, state, state_shardings, data_iterator, manag
   watcher = checkpointing.PreemptionWatcher()
   used_up = f"the training data is used up (num_epoch={config.num_epoch})"
   example_batch, stop_reason, last_saved, last_step = None, None, None, start_step - 1
+  in_step = False  # while True, `state` is donated to the compiled step and must not be saved
   try:
     with sharding.logical_context(mesh, config):
       for step in range(start_step, config.steps):
         if example_batch is None or not config.reuse_example_batch:
           example_batch = next(data_iterator)
+        in_step = True
         state, metrics = p_train_step(state, example_batch)
+        in_step = False
         logger.record(step, metrics)
         # Once every process is out of data, steps see only padding and change nothing (see train_step).
         if logger.data_exhausted:
@@ -132,6 +137,11 @@ def _run_steps(config, mesh, model, state, state_shardings, data_iterator, manag
             max_logging.log(f"Saving the checkpoint of step {last_step} (the loop waited {blocked:.3f} s)")
         if stop_reason:
           break
+  except Exception as error:
+    # Eval, data, logging: an error outside the compiled step keeps what was trained since the last checkpoint.
+    if manager is not None and not in_step:
+      _save_before_exit(manager, logger, state, data_iterator, error, (last_saved, start_step - 1))
+    raise
   finally:
     logger.close()
     watcher.close()
@@ -146,6 +156,34 @@ def _run_steps(config, mesh, model, state, state_shardings, data_iterator, manag
       f"Training finished at step {config.steps - 1}. TensorBoard: tensorboard --logdir={config.tensorboard_dir}"
     )
   return state
+
+
+def _save_before_exit(manager, logger, state, data_iterator, error: Exception, not_new: tuple) -> None:
+  """Saves the state of the last completed step (unless its step is in `not_new`) and waits for the write.
+
+  Never raises: the caller re-raises `error`, which is what the run reports.
+  """
+  # pylint: disable=import-outside-toplevel
+  from MaxText import checkpointing, max_logging
+
+  step = None
+  try:
+    step = int(state.step) - 1  # the last step that updated the weights
+    if step in not_new:
+      return
+    reason = " ".join(str(error).split())[:300] if isinstance(error, UserError) else f"{type(error).__name__}: {error}"
+    max_logging.log(f"Saving the checkpoint of step {step} before exiting because of an error: {reason}")
+    try:
+      logger.flush()  # the step's metrics line before its checkpoint, as for every save
+    except Exception:  # pylint: disable=broad-except  # logging may be what failed; the checkpoint matters more
+      pass
+    checkpointing.save_checkpoint(manager, step, state, data_iterator)
+    manager.wait_until_finished()
+    max_logging.log(f"Saved the checkpoint of step {step} to {manager.directory}")
+  except Exception as save_error:  # pylint: disable=broad-except
+    max_logging.warn(
+      f"could not save the checkpoint of step {step} before exiting: {type(save_error).__name__}: {save_error}"
+    )
 
 
 def _saved_note(config, manager, last_saved) -> str:
