@@ -212,8 +212,9 @@ def _diagnostics(config):
 
 def main(argv: list[str]) -> None:
   config = pyconfig.initialize(argv, required_keys=("run_name",))
-  from MaxText import jax_runtime  # pylint: disable=import-outside-toplevel
+  from MaxText import jax_runtime, max_logging  # pylint: disable=import-outside-toplevel
 
+  max_logging.configure(config.log_all_processes)
   jax_runtime.enable_compilation_cache(config.jax_cache_dir)
   with _diagnostics(config):
     train_loop(config)
