@@ -19,10 +19,11 @@ from MaxText import pyconfig  # pylint: disable=wrong-import-position
 from MaxText.errors import UserError, run_and_exit_on_user_error  # pylint: disable=wrong-import-position
 
 
-def _abstract_params(config, mesh):
+def _abstract_params(config, mesh, memory_limit_bytes):
   from MaxText import train_state  # pylint: disable=import-outside-toplevel
 
-  return train_state.build(config, mesh).abstract_state.params
+  # Only the params are read (no optimizer state), so only they must fit a device.
+  return train_state.build(config, mesh, params_only=True, memory_limit_bytes=memory_limit_bytes).abstract_state.params
 
 
 def _source_is_scanned(path: str) -> bool:
@@ -35,8 +36,13 @@ def _source_is_scanned(path: str) -> bool:
     raise UserError(f"{path} is not a MaxText checkpoint with params/decoder ({type(e).__name__}: {e})") from None
 
 
-def generate(argv) -> str:
-  """Writes the params-only checkpoint; returns its path."""
+def generate(argv, memory_limit_bytes: int | None = None) -> str:
+  """Writes the params-only checkpoint; returns its path.
+
+  Args:
+    argv: the command line (program name, config file, key=value ...).
+    memory_limit_bytes: one device's memory, that the float32 params must fit; default: what a local device has.
+  """
   config = pyconfig.initialize(argv, required_keys=("run_name",))
   source = config.load_full_state_path or config.load_parameters_path
   if not source:
@@ -62,7 +68,7 @@ def generate(argv) -> str:
     argv, scan_layers=scanned_in, weight_dtype="float32", load_parameters_path="", load_full_state_path=""
   )
   device_mesh = mesh.create_device_mesh(read_config)
-  params = checkpointing.load_params(source, _abstract_params(read_config, device_mesh))
+  params = checkpointing.load_params(source, _abstract_params(read_config, device_mesh, memory_limit_bytes))
   decoder = params["decoder"]
   if scanned_in and not scanned_out:
     decoder = layer_stacking.unstack_layers(decoder, config.num_decoder_layers, config.param_scan_axis)

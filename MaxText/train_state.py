@@ -1,8 +1,6 @@
 """The model and its train state, initialised directly onto their shardings (never whole on one device)."""
 
 import functools
-import math
-import os
 from typing import NamedTuple
 
 import flax.linen as nn
@@ -10,8 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax.training import train_state
 
-from MaxText import optimizers, sharding
-from MaxText.errors import UserError
+from MaxText import memory_check, optimizers, sharding
 from MaxText.layers.models import Transformer
 
 
@@ -62,36 +59,39 @@ class TrainSetup(NamedTuple):
   state_shardings: train_state.TrainState  # of NamedSharding
 
 
-def build(config, mesh) -> TrainSetup:
-  """The model, the optimizer (with its learning-rate schedule) and the abstract, sharded train state."""
+def build(config, mesh, params_only: bool = False, memory_limit_bytes: int | None = None) -> TrainSetup:
+  """The model, the optimizer (with its learning-rate schedule) and the abstract, sharded train state.
+
+  Checks, before anything is allocated, that what the caller will allocate fits a device.
+
+  Args:
+    config: the Config.
+    mesh: the device mesh (or an AOT target's).
+    params_only: the caller allocates only the params (decoding, checkpoint conversion), so only they must fit,
+      not the optimizer state that training adds (Adam keeps two more copies).
+    memory_limit_bytes: one device's memory to check against; default: what a local device has.
+  """
   model = create_model(config)
   tx = optimizers.create_optimizer(config, optimizers.create_learning_rate_schedule(config))
   abstract_state, state_shardings = get_abstract_state(model, tx, config, mesh)
-  check_state_fits(abstract_state)
+  check_state_fits(abstract_state, params_only, memory_limit_bytes)
   return TrainSetup(model, tx, abstract_state, state_shardings)
 
 
-def _device_memory_bytes(device) -> int | None:
-  stats = device.memory_stats()
-  if stats and stats.get("bytes_limit"):
-    return int(stats["bytes_limit"])
-  if device.platform == "cpu":  # CPU devices share the host's memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(jax.local_device_count(), 1)
-  return None
+def check_state_fits(abstract_state, params_only: bool = False, memory_limit_bytes: int | None = None) -> None:
+  """A clear error when the params (+ optimizer state unless params_only) alone exceed a device's memory.
 
-
-def check_state_fits(abstract_state) -> None:
-  """A clear error, before anything is allocated, when params + optimizer state alone exceed a device's memory."""
-  per_device = sum(
-    math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-    for x in jax.tree.leaves(abstract_state)
-    if hasattr(x, "sharding")
-  )
+  Args:
+    abstract_state: a TrainState of sharded jax.ShapeDtypeStructs.
+    params_only: count only abstract_state.params.
+    memory_limit_bytes: one device's memory; default: what a local device has.
+  """
   device = jax.local_devices()[0]
-  limit = _device_memory_bytes(device)
-  if limit is not None and per_device > limit:
-    raise UserError(
-      f"the train state (params and optimizer state) needs {per_device / 2**30:.1f} GiB per device but a "
-      f"{device.device_kind} device has {limit / 2**30:.1f} GiB: shard it over more devices (ici_fsdp_parallelism), "
-      "use a smaller model, or weight_dtype=bfloat16"
-    )
+  limit = memory_check.device_memory_bytes(device) if memory_limit_bytes is None else memory_limit_bytes
+  if params_only:
+    what, advice = "the params need", "shard them over more devices (ici_fsdp_parallelism) or use a smaller model"
+  else:
+    what = "the train state (params and optimizer state) needs"
+    advice = "shard it over more devices (ici_fsdp_parallelism), use a smaller model, or weight_dtype=bfloat16"
+  needed = memory_check.bytes_per_device(abstract_state.params if params_only else abstract_state)
+  memory_check.check_fits(needed, limit, what=what, device_kind=device.device_kind, advice=advice)
