@@ -57,7 +57,7 @@ def _prepare_run_dir(config) -> None:
 def train_loop(config):
   """Trains until config.steps (or a SIGTERM/SIGINT) and returns the final train state."""
   # pylint: disable=import-outside-toplevel
-  from MaxText import checkpointing, train_state
+  from MaxText import checkpointing, train_state, train_step
   from MaxText.evaluation import check_eval_data
   from MaxText.input_pipeline.input_pipeline_interface import create_data_iterator
   from MaxText.mesh import create_device_mesh
@@ -66,6 +66,8 @@ def train_loop(config):
   mesh = create_device_mesh(config)
   check_eval_data(config, mesh)  # a wrong eval split, glob or file stops the run now, not at step eval_interval
   setup = train_state.build(config, mesh)
+  # Pre-flight: compile the step and check its memory before the state is allocated or restored.
+  p_train_step = train_step.compile_train_step(setup.model, config, mesh, setup.abstract_state)
   data_iterator = create_data_iterator(config, mesh)
   manager = checkpointing.create_checkpoint_manager(config)
   try:
@@ -77,14 +79,14 @@ def train_loop(config):
     )
     if data_state is not None:
       data_iterator.set_state(data_state)
-    return _run_steps(config, mesh, setup.model, state, setup.state_shardings, data_iterator, manager)
+    return _run_steps(config, mesh, setup.model, state, setup.state_shardings, p_train_step, data_iterator, manager)
   finally:
     data_iterator.close()
     if manager is not None:
       manager.close()  # waits for a save in flight, also when the loop failed
 
 
-def _run_steps(config, mesh, model, state, state_shardings, data_iterator, manager):
+def _run_steps(config, mesh, model, state, state_shardings, p_train_step, data_iterator, manager):
   """The step loop from state.step to config.steps, with metrics, checkpoints and evals."""
   # pylint: disable=import-outside-toplevel
   from MaxText import checkpointing, evaluation, max_logging, metric_logger, sharding, train_step
@@ -96,7 +98,6 @@ def _run_steps(config, mesh, model, state, state_shardings, data_iterator, manag
     )
     return state
   _log_run_start(config, state)
-  p_train_step = train_step.jit_train_step(model, config, mesh, state_shardings)
   p_eval_step = train_step.jit_eval_step(model, config, mesh, state_shardings) if config.eval_interval > 0 else None
   logger = metric_logger.MetricLogger(config, start_step, metric_logger.create_tensorboard_writer(config))
   watcher = checkpointing.PreemptionWatcher()

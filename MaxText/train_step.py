@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from MaxText import sharding
+from MaxText import max_logging, memory_check, sharding
+from MaxText.input_pipeline.packing import BATCH_KEYS
 from MaxText.optimizers import create_learning_rate_schedule
 
 
@@ -108,6 +109,70 @@ def jit_train_step(model, config, mesh, state_shardings):
     out_shardings=(state_shardings, None),
     donate_argnums=0,
   )
+
+
+def abstract_batch(config, mesh) -> dict:
+  """One global train batch as jax.ShapeDtypeStructs on the data sharding: what every input pipeline yields."""
+  shape = (config.global_batch_size_to_load, config.max_target_length)
+  data_sharding = sharding.data_sharding(config, mesh)
+  return {key: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=data_sharding) for key in BATCH_KEYS}
+
+
+def compile_train_step(model, config, mesh, abstract_state, memory_limit_bytes: int | None = None):
+  """The train step compiled ahead of time, after checking that one step fits a device's memory.
+
+  This is train.py's pre-flight check: it needs no allocated state or batch, so a model that cannot fit
+  stops before anything is allocated; the loop then calls the executable it returns, so nothing compiles twice.
+
+  Args:
+    model: the Transformer (train_state.build's model).
+    config: the Config.
+    mesh: the device mesh.
+    abstract_state: the TrainState of sharded jax.ShapeDtypeStructs (train_state.build's abstract_state).
+    memory_limit_bytes: one device's memory; default: what a local device has.
+
+  Returns:
+    The compiled step, called as compiled(state, batch) -> (new_state, metrics); it donates `state`.
+
+  Raises:
+    UserError: a step needs more memory per device than a device has; the message names the keys that help.
+  """
+  state_shardings = jax.tree.map(lambda x: x.sharding, abstract_state)
+  with sharding.logical_context(mesh, config):
+    lowered = jit_train_step(model, config, mesh, state_shardings).lower(abstract_state, abstract_batch(config, mesh))
+  compiled = lowered.compile()
+  memory = memory_check.CompiledMemory.from_analysis(compiled.memory_analysis())
+  if memory is not None:
+    device = jax.local_devices()[0]
+    limit = memory_check.device_memory_bytes(device) if memory_limit_bytes is None else memory_limit_bytes
+    memory_check.check_fits(
+      memory.peak_bytes,
+      limit,
+      what="one train step needs",
+      device_kind=device.device_kind,
+      breakdown=memory.breakdown(),
+      advice=_memory_advice(config, device.platform),
+    )
+    of_limit = f" of the {memory_check.format_bytes(limit)} a device has" if limit else ""
+    max_logging.log(
+      f"One train step needs {memory_check.format_bytes(memory.peak_bytes)} per device{of_limit} ({memory.breakdown()})"
+    )
+  return compiled
+
+
+def _memory_advice(config, platform: str) -> str:
+  """The config keys that make a train step smaller, with their values now."""
+  keep_batch = "; raise gradient_accumulation_steps to keep the batch" if config.per_device_batch_size >= 2 else ""
+  hints = [
+    f"lower per_device_batch_size (now {config.per_device_batch_size:.10g}{keep_batch}) or max_target_length "
+    f"(now {config.max_target_length})"
+  ]
+  if config.remat_policy != "full":  # "full" keeps the fewest activations for the backward pass
+    hints.append(f"recompute activations with remat_policy=full (now {config.remat_policy})")
+  hints.append("shard over more devices (ici_fsdp_parallelism)")
+  cpu_sized = "; the README quickstart's keys fit a CPU" if platform == "cpu" else ""
+  hints.append(f"or use a smaller model (base_emb_dim, base_mlp_dim, base_num_decoder_layers, vocab_size{cpu_sized})")
+  return ", ".join(hints)
 
 
 def jit_eval_step(model, config, mesh, state_shardings):
