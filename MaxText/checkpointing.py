@@ -19,6 +19,7 @@ from etils import epath
 
 from MaxText import max_logging
 from MaxText.errors import UserError
+from MaxText.input_pipeline.batching import merge_process_states
 
 STATE_ITEM = "items"
 DATA_ITEM = "data_iter"
@@ -48,8 +49,8 @@ _TENSORSTORE_STATUSES = _DAMAGE_STATUSES + (
 
 class DataIteratorHandler(ocp.CheckpointHandler):
   """Saves each process's data-iterator state as JSON. A process restores its own file, except that the
-  per-row positions of random-access pipelines ("rows", keyed by global row) are unioned over all files,
-  so that those resume with any number of processes."""
+  positions keyed by global row ("rows", random-access pipelines) or by data shard ("shards", streamed
+  ones) are unioned over all files, so that those resume with any number of processes."""
 
   def save(self, directory: epath.Path, args: "DataIteratorSave"):
     name = f"process_{jax.process_index()}-of-{jax.process_count()}.json"
@@ -61,12 +62,7 @@ class DataIteratorHandler(ocp.CheckpointHandler):
     if not states:
       raise FileNotFoundError(f"no process_*.json in {directory}")
     own = states.get(f"process_{jax.process_index()}-of-{jax.process_count()}.json", next(iter(states.values())))
-    if "rows" not in own:
-      return own  # a streamed pipeline's position; it checks that it was saved by this process
-    rows = {}
-    for state in states.values():
-      rows.update(state.get("rows", {}))
-    return dict(own, rows=rows)
+    return merge_process_states(own, list(states.values()))
 
 
 @ocp.args.register_with_handler(DataIteratorHandler, for_save=True)

@@ -2,12 +2,13 @@
 
 Random access (embedded corpus, Grain ArrayRecord, TFDS ArrayRecord): row j of every global batch is the
 next packed row of stream j, which holds documents j, j+R, j+2R, ... of the shuffled dataset (R = rows
-of the global batch). A process builds only the streams of its rows: processes read disjoint
-documents, the global batch does not depend on the number of processes, and a state of a few integers
-per row resumes exactly. `num_workers` processes can share the rows of a process.
+of the global batch). A process builds only the streams of the rows its devices hold (processes that
+hold the same rows read the same documents), the global batch does not depend on the number of processes,
+and a state of a few integers per row resumes exactly. `num_workers` processes can share the rows of a process.
 
-Sequential (TFDS TFRecord, Hugging Face streaming): one packed stream per process, over that process's
-shard of the data, fills the process's rows batch after batch.
+Sequential (TFDS TFRecord, Hugging Face streaming): one packed stream per data shard (a block of rows that
+the data sharding keeps together), over that shard's share of the data, fills the shard's rows batch after
+batch. Processes holding the same data shard read the same stream, so replicas always agree.
 """
 
 import multiprocessing
@@ -26,6 +27,18 @@ def check_state_kind(state: dict, kind: str) -> None:
       f"the checkpoint's data position is for a {state.get('kind', 'different')} pipeline but this run's dataset_type "
       f"reads a {kind} one: resume with the dataset_type the run was started with"
     )
+
+
+def merge_process_states(own: dict, states: list[dict]) -> dict:
+  """A process's data position with the per-row ("rows") or per-data-shard ("shards") positions of every
+  process's state unioned in, so that a checkpoint resumes with any number of processes."""
+  for key in ("rows", "shards"):
+    if key in own:
+      merged = {}
+      for state in states:
+        merged.update(state.get(key, {}))
+      own = dict(own, **{key: merged})
+  return own
 
 
 def _stack(rows: list[dict]) -> dict:
@@ -72,41 +85,62 @@ class RowStreamBatcher:
       stream.set_state(state["rows"][str(row)])
 
 
-class StreamBatcher:
-  """This process's rows of each batch, filled in order from one packed stream of its data shard."""
+class ShardStreamBatcher:
+  """The rows of some data shards of each batch: data shard k fills its block of rows from its own stream.
 
-  def __init__(self, open_stream, num_epochs: int, local_rows: int, seq_len: int, packing: bool, process: tuple[int, int]):
-    """process: (index, count) of this process, recorded in the state: a stream resumes only in its own process."""
-    self._stream = PackedStream(StreamCursor(open_stream, num_epochs), seq_len, packing)
-    self._local_rows = local_rows
-    self._process = list(process)
+  A data shard is one of the S equal blocks of rows that the data sharding splits a global batch into;
+  stream k reads the k-th of S disjoint shares of the source. Every process that holds shard k (replicas,
+  e.g. tensor parallelism across hosts) therefore loads the same rows, and the global batch does not depend
+  on the number of processes.
+  """
+
+  def __init__(
+    self,
+    open_shard_stream,
+    shards,
+    num_shards: int,
+    rows_per_shard: int,
+    num_epochs: int,
+    seq_len: int,
+    packing: bool = True,
+  ):
+    """open_shard_stream(k) -> open_stream(epoch, position) for packing.StreamCursor over share k of num_shards."""
+    self._num_shards, self._rows_per_shard, self._seq_len = num_shards, rows_per_shard, seq_len
+    self._streams = {k: PackedStream(StreamCursor(open_shard_stream(k), num_epochs), seq_len, packing) for k in shards}
 
   def __iter__(self):
     return self
 
   def __next__(self) -> dict:
-    rows = []
-    for _ in range(self._local_rows):
-      try:
-        rows.append(self._stream.next_row())
-      except StopIteration:
-        if not rows:
-          raise
-        rows.append({k: np.zeros_like(rows[0][k]) for k in BATCH_KEYS})  # the last batch is padded
+    """Rows of the shards in order; a shard whose stream ran out gives padding rows. StopIteration once all have."""
+    rows, real = [], False
+    for stream in self._streams.values():
+      for _ in range(self._rows_per_shard):
+        try:
+          rows.append(stream.next_row())
+          real = True
+        except StopIteration:
+          rows.append({k: np.zeros(self._seq_len, np.int32) for k in BATCH_KEYS})
+    if not real:
+      raise StopIteration
     return _stack(rows)
 
   def get_state(self) -> dict:
-    return {"kind": "stream", "process": self._process, "stream": self._stream.get_state()}
+    """{"num_shards": S, "shards": {data shard: stream state}}; a checkpoint unions the shards of all processes."""
+    shards = {str(k): s.get_state() for k, s in self._streams.items()}
+    return {"kind": "stream", "num_shards": self._num_shards, "shards": shards}
 
   def set_state(self, state: dict) -> None:
     check_state_kind(state, "stream")
-    if state["process"] != self._process:
+    saved = state.get("shards", {})
+    if state.get("num_shards") != self._num_shards or any(str(k) not in saved for k in self._streams):
       raise UserError(
-        f"the checkpoint's data position was saved by process {state['process'][0]} of {state['process'][1]}; "
-        "streamed data (TFRecord tfds, hf) resumes only with the same number of processes "
-        f"(this is process {self._process[0]} of {self._process[1]})"
+        f"the checkpoint's data position is for {state.get('num_shards', 'an unknown number of')} data shards, this run "
+        f"splits each batch into {self._num_shards}: streamed data (TFRecord tfds, hf) resumes only with the same "
+        "data sharding (the product of the mesh axes in data_sharding)"
       )
-    self._stream.set_state(state["stream"])
+    for k, stream in self._streams.items():
+      stream.set_state(saved[str(k)])
 
 
 def _row_worker(make_batcher, state, out: multiprocessing.Queue, stop) -> None:

@@ -2,9 +2,10 @@
 
     hf_path=parquet hf_train_files=/data/*.parquet    ->  datasets.load_dataset("parquet", data_files=..., streaming=True)
 
-Each process streams its share (datasets.distributed.split_dataset_by_node). The position is the
-stream's own state_dict: exact without shuffling; with enable_data_shuffling the shuffle buffer is not
-saved, so after a restore the buffer refills from the saved position (logged).
+Each data shard streams its share (datasets.distributed.split_dataset_by_node), so the processes that hold
+the same rows read the same records. The position is the stream's own state_dict: exact without
+shuffling; with enable_data_shuffling the shuffle buffer is not saved, so after a restore the buffer
+refills from the saved position (logged).
 """
 
 import glob
@@ -25,7 +26,8 @@ def _data_files(files: str, key: str):
   return patterns
 
 
-def _load(config, train: bool):
+def load(config, train: bool):
+  """The streaming train or eval dataset (an IterableDataset); a UserError for bad paths or splits."""
   import datasets  # pylint: disable=import-outside-toplevel
 
   if train:
@@ -42,15 +44,14 @@ def _load(config, train: bool):
     raise UserError(f"hf_path={config.hf_path}: {type(e).__name__}: {str(e).splitlines()[0][:300]}") from None
 
 
-def stream_opener(config, train: bool, decode, process_index: int, process_count: int):
-  """open_stream(epoch, position) for packing.StreamCursor over this process's share of the dataset."""
+def stream_opener(dataset, config, train: bool, decode, shard_index: int, shard_count: int):
+  """open_stream(epoch, position) for packing.StreamCursor over share shard_index of shard_count of `dataset`."""
   from datasets.distributed import split_dataset_by_node  # pylint: disable=import-outside-toplevel
 
-  dataset = _load(config, train)
   shuffle = train and config.enable_data_shuffling
 
   def open_stream(epoch: int, position):
-    ds = split_dataset_by_node(dataset, rank=process_index, world_size=process_count)
+    ds = split_dataset_by_node(dataset, rank=shard_index, world_size=shard_count)
     if shuffle:
       ds = ds.shuffle(seed=config.data_shuffle_seed, buffer_size=_SHUFFLE_BUFFER)
       ds.set_epoch(epoch)

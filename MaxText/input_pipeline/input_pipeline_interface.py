@@ -12,9 +12,9 @@ import jax
 from MaxText import max_logging, sharding
 from MaxText.errors import UserError
 from MaxText.input_pipeline import embedded_corpus, grain_source, hf_source, tfds_source
-from MaxText.input_pipeline.batching import RowStreamBatcher, StreamBatcher, WorkerRowStreamBatcher
+from MaxText.input_pipeline.batching import RowStreamBatcher, ShardStreamBatcher, WorkerRowStreamBatcher
 from MaxText.input_pipeline.documents import DocumentDecoder
-from MaxText.input_pipeline.multihost_dataloading import GlobalBatchIterator, process_row_range
+from MaxText.input_pipeline.multihost_dataloading import GlobalBatchIterator, data_shards, describe_rows, process_rows
 from MaxText.input_pipeline.synthetic import SyntheticDataIterator
 
 
@@ -67,39 +67,70 @@ class RandomAccessRows:
     return RowStreamBatcher(documents, self.num_rows, rows, config.max_target_length, config.packing)
 
 
-def _local_batcher(config, mesh, train: bool, num_rows: int):
-  """The iterator of this process's rows of each global batch."""
-  start, stop = process_row_range(sharding.data_sharding(config, mesh), (num_rows, config.max_target_length))
+def _shard_stream_opener(config, train: bool, tfds_builder):
+  """open_shard(k, S) -> open_stream(epoch, position) over share k of S of a sequential source."""
+  decode = document_decoder(config, train)
+  if tfds_builder is not None:
+    return lambda shard, count: tfds_source.stream_opener(config, *tfds_builder, train, decode, shard, count)
+  dataset = hf_source.load(config, train)
+  return lambda shard, count: hf_source.stream_opener(dataset, config, train, decode, shard, count)
+
+
+def local_batcher(config, mesh, train: bool, num_rows: int, processes=None):
+  """The iterator of a process's rows of each global batch.
+
+  Args:
+    processes: the process indices whose rows to load (default: this process). All of them give the whole
+      global batch, as one process holding every device would load it.
+
+  Returns:
+    (iterator, rows): rows are the global rows that the processes' devices hold, in the order of the
+    iterator's batch rows.
+  """
+  processes = [jax.process_index()] if processes is None else list(processes)
+  data_sharding = sharding.data_sharding(config, mesh)
+  global_shape = (num_rows, config.max_target_length)
+  rows = sorted({row for p in processes for row in process_rows(data_sharding, global_shape, p)})
   if train:
-    max_logging.log(f"Process {jax.process_index()} loads rows [{start}, {stop}) of each {num_rows}-row train batch")
+    who = f"Process {processes[0]}" if len(processes) == 1 else f"Processes {processes}"
+    max_logging.log(f"{who} loads rows {describe_rows(rows)} of each {num_rows}-row train batch", every_process=True)
   tfds_builder = tfds_source.open_builder(config, train) if config.dataset_type == "tfds" else None
   records = _random_access_records(config, train, tfds_builder)
   if records is not None:
     factory = RandomAccessRows(config, train, num_rows, records)
     if train and config.grain_worker_count > 0:
-      return WorkerRowStreamBatcher(factory, range(start, stop), config.grain_worker_count)
-    return factory(range(start, stop))
-  decode = document_decoder(config, train)
-  process = (jax.process_index(), jax.process_count())
-  if tfds_builder is not None:
-    opener = tfds_source.stream_opener(config, *tfds_builder, train, decode, *process)
-  else:
-    opener = hf_source.stream_opener(config, train, decode, *process)
-  epochs = config.num_epoch if train else 1
-  return StreamBatcher(opener, epochs, stop - start, config.max_target_length, config.packing, process)
+      return WorkerRowStreamBatcher(factory, rows, config.grain_worker_count), rows
+    return factory(rows), rows
+  blocks = data_shards(data_sharding, global_shape)
+  shards = [k for k, block in enumerate(blocks) if block.start in rows]
+  open_shard = _shard_stream_opener(config, train, tfds_builder)
+  batcher = ShardStreamBatcher(
+    lambda k: open_shard(k, len(blocks)),
+    shards,
+    len(blocks),
+    len(blocks[0]),
+    config.num_epoch if train else 1,
+    config.max_target_length,
+    config.packing,
+  )
+  return batcher, rows
+
+
+def _global_iterator(config, mesh, train: bool, num_rows: int) -> GlobalBatchIterator:
+  local, rows = local_batcher(config, mesh, train, num_rows)
+  global_shape = (num_rows, config.max_target_length)
+  return GlobalBatchIterator(
+    local, sharding.data_sharding(config, mesh), global_shape, rows, "training" if train else "eval"
+  )
 
 
 def create_data_iterator(config, mesh):
   """The train iterator for config.dataset_type."""
   if config.dataset_type == "synthetic":
     return SyntheticDataIterator(config, mesh)
-  rows = config.global_batch_size_to_load
-  local = _local_batcher(config, mesh, True, rows)
-  return GlobalBatchIterator(local, sharding.data_sharding(config, mesh), (rows, config.max_target_length), "training")
+  return _global_iterator(config, mesh, True, config.global_batch_size_to_load)
 
 
 def create_eval_iterator(config, mesh):
   """A fresh pass over the eval data (unshuffled), from its beginning."""
-  rows = config.global_batch_size_to_load_eval
-  local = _local_batcher(config, mesh, False, rows)
-  return GlobalBatchIterator(local, sharding.data_sharding(config, mesh), (rows, config.max_target_length), "eval")
+  return _global_iterator(config, mesh, False, config.global_batch_size_to_load_eval)

@@ -1,5 +1,14 @@
-"""Test session set-up: in-process tests share the test processes' compilation cache."""
+"""Test session set-up: CPU devices, libtpu only for topology descriptions, one shared compilation cache."""
 
+import os
+
+# Tests run on CPU devices even where libtpu is installed (the test requirements have it for the TPU
+# topology tests): without this every JAX process would try to start a TPU and contend for libtpu's lock.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no TPU metadata server to ask
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+# pylint: disable=wrong-import-position
 from MaxText import jax_runtime
 from MaxText.tests.helpers import TEST_JAX_CACHE_DIR
 

@@ -228,12 +228,14 @@ def test_worker_errors_are_one_line(tmp_path, data):
   assert "records have no column 'body'" in result.stderr.strip().splitlines()[-1]
 
 
-def test_a_stream_position_resumes_only_in_the_process_that_saved_it():
+def test_a_stream_position_resumes_only_with_the_same_data_shards():
   from MaxText.errors import UserError  # pylint: disable=import-outside-toplevel
-  from MaxText.input_pipeline.batching import StreamBatcher  # pylint: disable=import-outside-toplevel
+  from MaxText.input_pipeline.batching import ShardStreamBatcher  # pylint: disable=import-outside-toplevel
 
-  batcher = StreamBatcher(lambda epoch, position: iter(()), 1, 2, 8, True, (0, 1))
-  with pytest.raises(UserError, match="saved by process 0 of 2; streamed data"):
+  batcher = ShardStreamBatcher(lambda k: lambda epoch, position: iter(()), [0, 1], 4, 2, 1, 8)
+  with pytest.raises(UserError, match="is for 2 data shards, this run splits each batch into 4"):
+    batcher.set_state({"kind": "stream", "num_shards": 2, "shards": {"0": {}, "1": {}}})
+  with pytest.raises(UserError, match="for an unknown number of data shards"):  # a position saved before data shards
     batcher.set_state({"kind": "stream", "process": [0, 2], "stream": {}})
 
 
