@@ -6,7 +6,7 @@ the cases marked `needs_devices` fail after the device lookup, still before any 
 
 import pytest
 
-from MaxText.tests.helpers import TRAIN_PY, run_python
+from MaxText.tests.helpers import TRAIN_PY, run_python, tiny_args
 
 CASES = [
   # (CLI args after the config, extra env, text the error line must contain)
@@ -70,7 +70,7 @@ NEEDS_DEVICES = [
   (
     ["model_name=llama2-70b"],
     {},
-    "the train state (params and optimizer state) needs 770.9 GiB per device but a cpu device has",
+    "the train state (params and optimizer state) needs 770.87 GiB per device but a cpu device has",
   ),
   (
     ["base_num_kv_heads=2", "ici_fsdp_parallelism=1", "ici_tensor_parallelism=4"],
@@ -154,6 +154,6 @@ def test_unknown_key_in_a_model_preset(tmp_path):
 
 def test_tokenizer_larger_than_vocab_is_caught_before_training(tmp_path):
   result = run_python(
-    [TRAIN_PY, "MaxText/configs/base.yml", "run_name=x", f"base_output_directory={tmp_path}", "vocab_size=100"]
+    [TRAIN_PY, "MaxText/configs/base.yml", "run_name=x", *tiny_args(f"base_output_directory={tmp_path}", "vocab_size=100")]
   )
   _assert_one_line_error(result, "has 4096 tokens but vocab_size=100; set vocab_size>=4096")
