@@ -3,7 +3,6 @@
 import functools
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
@@ -87,8 +86,7 @@ class Attention(nn.Module):
       rope(query, positions), ("activation_batch", "activation_length", "activation_heads", "activation_kv")
     )
     if self.attention_kernel == "flash":
-      # pyconfig allows flash only on TPU; on a CPU (tests) the kernel runs in the Pallas interpreter.
-      kernel = functools.partial(flash_attention, interpret=jax.default_backend() == "cpu")
+      kernel = flash_attention
     else:
       kernel = dot_product_attention
     out = kernel(query, rope(key, positions), value, segment_ids)

@@ -44,9 +44,24 @@ def _local_attention(query, key, value, segment_ids, interpret: bool):
   return to_heads_first(out)
 
 
-def flash_attention(query, key, value, segment_ids, interpret: bool = False):
-  """Causal, segment-masked attention with the splash kernel. Shapes as dot_product_attention."""
+def _compiles_for_cpu(mesh) -> bool:
+  """Whether the program is compiled for CPU devices: then the kernel runs in the Pallas interpreter (tests).
+
+  The mesh's devices decide, not the local backend: an AOT compile on a CPU host for a TPU target
+  (train_compile.py) must compile the real TPU kernel.
+  """
+  platform = jax.default_backend() if mesh.empty else mesh.abstract_device.platform
+  return platform == "cpu"
+
+
+def flash_attention(query, key, value, segment_ids, interpret: bool | None = None):
+  """Causal, segment-masked attention with the splash kernel. Shapes as dot_product_attention.
+
+  Args:
+    interpret: run the Pallas interpreter; default: only when compiling for CPU devices.
+  """
   mesh = jax.sharding.get_abstract_mesh()
+  interpret = _compiles_for_cpu(mesh) if interpret is None else interpret
   local = functools.partial(_local_attention, interpret=interpret)
   if mesh.empty:
     return local(query, key, value, segment_ids)
