@@ -46,6 +46,7 @@ _RANGES = {
   "cosine_learning_rate_final_fraction": (0.0, 1.0, True, True),
   "dropout_rate": (0.0, 1.0, True, False),
   "normalization_layer_epsilon": (0.0, math.inf, False, True),
+  "query_pre_attn_scalar": (0.0, math.inf, True, True),
 }
 
 

@@ -30,7 +30,7 @@ def attention_mask(segment_ids):
 
 
 def dot_product_attention(query, key, value, segment_ids, float32_logits: bool = True):
-  """softmax(q k^T + mask) v with grouped-query heads; the 1/sqrt(head_dim) scale is in the query kernel.
+  """softmax(q k^T + mask) v with grouped-query heads; the softmax scale is already applied to the query.
 
   Args:
     query: (B, T, Nq, D). key, value: (B, S, Nkv, D), Nq a multiple of Nkv.
@@ -59,6 +59,7 @@ class Attention(nn.Module):
   attention_kernel: str = "dot_product"
   rope_min_timescale: float = 1
   rope_max_timescale: float = 10_000
+  query_scale: float = 1.0  # multiplies the query after RoPE: 1/sqrt(head_dim), or query_pre_attn_scalar**-0.5
   dtype: str = "float32"
   weight_dtype: str = "float32"
 
@@ -68,11 +69,7 @@ class Attention(nn.Module):
       DenseGeneral, dtype=self.dtype, weight_dtype=self.weight_dtype, kernel_init=initializers.attention_kernel_init
     )
 
-    # Folding 1/sqrt(head_dim) into the query init keeps the kernels free of the scale (as upstream does).
-    def query_init(key, shape, dtype, in_axis, out_axis):
-      return initializers.attention_kernel_init(key, shape, dtype, in_axis, out_axis) / jnp.sqrt(self.head_dim).astype(dtype)
-
-    query = dense((self.num_query_heads, self.head_dim), ("embed", "heads", "kv"), kernel_init=query_init, name="query")(x)
+    query = dense((self.num_query_heads, self.head_dim), ("embed", "heads", "kv"), name="query")(x)
     key = dense((self.num_kv_heads, self.head_dim), ("embed", "kv_heads", "kv_head_dim"), name="key")(x)
     value = dense((self.num_kv_heads, self.head_dim), ("embed", "kv_heads", "kv_head_dim"), name="value")(x)
     query = checkpoint_name(query, "query_proj")  # (B, T, Nq, D)
@@ -82,8 +79,11 @@ class Attention(nn.Module):
     rope = functools.partial(
       apply_rotary_embedding, min_timescale=self.rope_min_timescale, max_timescale=self.rope_max_timescale
     )
+    # The softmax scale is applied here, not folded into the query kernel, so that checkpoints convert by
+    # permutation only. Scaling q (not the logits) serves every kernel, flash included.
     query = nn.with_logical_constraint(
-      rope(query, positions), ("activation_batch", "activation_length", "activation_heads", "activation_kv")
+      rope(query, positions) * self.query_scale,
+      ("activation_batch", "activation_length", "activation_heads", "activation_kv"),
     )
     if self.attention_kernel == "flash":
       kernel = flash_attention

@@ -19,6 +19,7 @@ def self_attention(config, name: str = "self_attention") -> Attention:
     attention_kernel=config.attention,
     rope_min_timescale=config.rope_min_timescale,
     rope_max_timescale=config.rope_max_timescale,
+    query_scale=(config.query_pre_attn_scalar or config.head_dim) ** -0.5,
     dtype=config.dtype,
     weight_dtype=config.weight_dtype,
     name=name,

@@ -2,6 +2,7 @@
 
 import flax.linen as nn
 import jax.numpy as jnp
+import numpy as np
 
 from MaxText.layers import initializers
 
@@ -35,17 +36,24 @@ class Embed(nn.Module):
     return jnp.einsum("bte,ve->btv", x.astype(self.attend_dtype), self.embedding.astype(self.attend_dtype))  # (B, T, V)
 
 
+def rope_inverse_frequencies(head_dim: int, min_timescale: float, max_timescale: float):
+  """The (D/2,) angular frequencies of RoPE, 1 / (min * (max/min)^(2i/D)), computed as transformers does (float32)."""
+  fraction = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+  timescale = np.float32(min_timescale) * (np.float32(max_timescale / min_timescale) ** fraction)
+  return (np.float32(1.0) / timescale).astype(np.float32)
+
+
 def apply_rotary_embedding(x, positions, min_timescale: float, max_timescale: float):
   """RoPE in the split-halves convention: x = [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin].
+
+  This is transformers' `rotate_half` convention, so Hugging Face q/k kernels map by a reshape only.
 
   Args:
     x: (B, T, N, D) queries or keys.
     positions: (B, T) integer positions (restarting at 0 in each packed segment).
   """
-  head_dim = x.shape[-1]
-  fraction = 2 * jnp.arange(head_dim // 2, dtype=jnp.float32) / head_dim
-  timescale = min_timescale * (max_timescale / min_timescale) ** fraction  # (D/2,)
-  angles = positions[:, :, None, None].astype(jnp.float32) / timescale  # (B, T, 1, D/2)
+  inv_freq = jnp.asarray(rope_inverse_frequencies(x.shape[-1], min_timescale, max_timescale))  # (D/2,)
+  angles = positions[:, :, None, None].astype(jnp.float32) * inv_freq  # (B, T, 1, D/2)
   sin, cos = jnp.sin(angles), jnp.cos(angles)
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)

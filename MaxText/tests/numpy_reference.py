@@ -25,6 +25,7 @@ def _attention(p, x, positions, segments, cfg):  # x: (T, E) for one row
     _rope(q, positions, cfg.rope_min_timescale, cfg.rope_max_timescale),
     _rope(k, positions, cfg.rope_min_timescale, cfg.rope_max_timescale),
   )
+  q = q / np.sqrt(cfg.query_pre_attn_scalar or cfg.head_dim)  # softmax scale, applied at run time
   group = q.shape[1] // k.shape[1]
   k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)  # GQA: each kv head serves `group` q heads
   logits = np.einsum("thd,shd->hts", q, k)
