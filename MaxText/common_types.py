@@ -3,7 +3,9 @@
 Each implementing module has a test asserting that its table covers exactly these names.
 """
 
-DECODER_BLOCKS = ("default", "llama2")
+DECODER_BLOCKS = ("default", "llama2", "mistral", "gemma", "gemma2", "gpt3", "qwen3")
+# Decoder layers in one scanned block, where not 1 (Gemma 2 scans (local, global) pairs).
+DECODER_LAYERS_PER_BLOCK = {"gemma2": 2}
 ATTENTION_KERNELS = ("autoselected", "dot_product", "flash")
 REMAT_POLICIES = (
   "full",
@@ -15,7 +17,7 @@ REMAT_POLICIES = (
   "minimal_flash",
   "none",
 )
-MLP_ACTIVATIONS = ("silu", "swish", "gelu", "relu", "tanh", "sigmoid", "linear")
+MLP_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_exact", "relu", "tanh", "sigmoid", "linear")
 DTYPES = ("float32", "bfloat16", "float16")
 DATASET_TYPES = ("embedded", "synthetic", "tfds", "grain", "hf")
 OPTIMIZERS = ("adamw",)

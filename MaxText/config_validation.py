@@ -47,6 +47,9 @@ _RANGES = {
   "dropout_rate": (0.0, 1.0, True, False),
   "normalization_layer_epsilon": (0.0, math.inf, False, True),
   "query_pre_attn_scalar": (0.0, math.inf, True, True),
+  "attn_logits_soft_cap": (0.0, math.inf, True, True),
+  "final_logits_soft_cap": (0.0, math.inf, True, True),
+  "rope_scaling_factor": (0.0, math.inf, True, True),
 }
 
 
@@ -95,6 +98,39 @@ def _check_numbers(v):
   if v["rope_min_timescale"] > v["rope_max_timescale"]:
     raise ConfigError(
       f"rope_min_timescale={v['rope_min_timescale']} must not exceed rope_max_timescale={v['rope_max_timescale']}"
+    )
+
+
+def _check_layer_options(v):
+  if v["sliding_window_size"] < 0:
+    raise ConfigError(f"sliding_window_size={v['sliding_window_size']} must be >= 0 (0: no window)")
+  positions = v["trainable_position_size"]
+  if positions != -1 and positions < v["max_target_length"]:
+    raise ConfigError(
+      f"trainable_position_size={positions} must be -1 (no learned positions) or at least "
+      f"max_target_length={v['max_target_length']}"
+    )
+  if v["rope_scaling_factor"] > 0:
+    low, high = v["rope_scaling_low_freq_factor"], v["rope_scaling_high_freq_factor"]
+    if not 0 < low < high:
+      raise ConfigError(
+        f"rope_scaling_low_freq_factor={low} and rope_scaling_high_freq_factor={high} must satisfy 0 < low < high"
+      )
+    if v["rope_scaling_original_max_position_embeddings"] <= 0:
+      raise ConfigError(
+        f"rope_scaling_original_max_position_embeddings={v['rope_scaling_original_max_position_embeddings']} "
+        "must be a positive integer"
+      )
+  if v["fused_qkv"] and v["base_num_query_heads"] != v["base_num_kv_heads"]:
+    raise ConfigError(
+      f"fused_qkv=true needs base_num_query_heads={v['base_num_query_heads']} equal to "
+      f"base_num_kv_heads={v['base_num_kv_heads']} (one kernel for query, key and value)"
+    )
+  per_block = common_types.DECODER_LAYERS_PER_BLOCK.get(v["decoder_block"], 1)
+  if v["base_num_decoder_layers"] % per_block:
+    raise ConfigError(
+      f"base_num_decoder_layers={v['base_num_decoder_layers']} must be a multiple of {per_block} for "
+      f"decoder_block={v['decoder_block']} (its scanned block holds {per_block} layers)"
     )
 
 
@@ -208,6 +244,7 @@ def validate_static(values: dict) -> None:
   _check_choices(values)
   _check_numbers(values)
   _check_activations(values)
+  _check_layer_options(values)
   _check_mesh(values)
   _check_paths(values)
   _check_checkpointing(values)

@@ -56,6 +56,7 @@ def generate(argv, memory_limit_bytes: int | None = None) -> str:
   from etils import epath
 
   from MaxText import checkpointing, layer_stacking, max_logging, mesh
+  from MaxText.layers import models
 
   if epath.Path(output).exists():
     raise UserError(f"{output} already exists; choose another run_name (nothing is overwritten)")
@@ -70,10 +71,11 @@ def generate(argv, memory_limit_bytes: int | None = None) -> str:
   device_mesh = mesh.create_device_mesh(read_config)
   params = checkpointing.load_params(source, _abstract_params(read_config, device_mesh, memory_limit_bytes))
   decoder = params["decoder"]
+  blocks = models.num_blocks(config)  # scanned blocks: Gemma 2 stacks (local, global) layer pairs
   if scanned_in and not scanned_out:
-    decoder = layer_stacking.unstack_layers(decoder, config.num_decoder_layers, config.param_scan_axis)
+    decoder = layer_stacking.unstack_layers(decoder, blocks, config.param_scan_axis)
   elif scanned_out and not scanned_in:
-    decoder = layer_stacking.stack_layers(decoder, config.num_decoder_layers, config.param_scan_axis)
+    decoder = layer_stacking.stack_layers(decoder, blocks, config.param_scan_axis)
   params = dict(params, decoder=decoder)
   params = jax.tree.map(lambda x: x.astype(config.weight_dtype), params)
   checkpointer = ocp.StandardCheckpointer()

@@ -1,4 +1,5 @@
-"""Grouped-query self-attention: projections, RoPE, and the attention kernels (causal + packed segments)."""
+"""Grouped-query self-attention: projections, RoPE, and the attention kernels (causal + packed segments,
+optionally a sliding window and soft-capped logits)."""
 
 import functools
 
@@ -7,34 +8,49 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.layers import initializers
-from MaxText.layers.embeddings import apply_rotary_embedding
+from MaxText.layers.embeddings import Llama3RopeScaling, apply_rotary_embedding
 from MaxText.layers.flash_attention import flash_attention
 from MaxText.layers.linears import DenseGeneral
+from MaxText.layers.normalizations import RMSNorm
 
 # Large negative instead of -inf: a fully masked row then gives a uniform softmax instead of NaN.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def attention_mask(segment_ids):
+def attention_mask(segment_ids, sliding_window: int = 0):
   """Causal mask within packed segments: query t sees key s iff s <= t and both are in the same segment.
 
   Args:
     segment_ids: (B, T) segment of each token (0 = padding).
+    sliding_window: > 0 also requires t - s < sliding_window (each query sees itself and the window-1 keys
+      before it, as transformers' sliding-window mask).
   Returns:
     (B, 1, 1, T, S) boolean mask, broadcastable over (kv_heads, group).
   """
   length = segment_ids.shape[1]
-  causal = jnp.tril(jnp.ones((length, length), dtype=jnp.bool_))
+  t = jnp.arange(length)
+  allowed = t[None, :] <= t[:, None]  # (T, S) causal
+  if sliding_window > 0:
+    allowed &= t[:, None] - t[None, :] < sliding_window
   same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]  # (B, T, S)
-  return (same_segment & causal)[:, None, None, :, :]
+  return (same_segment & allowed)[:, None, None, :, :]
 
 
-def dot_product_attention(query, key, value, segment_ids, float32_logits: bool = True):
-  """softmax(q k^T + mask) v with grouped-query heads; the softmax scale is already applied to the query.
+def soft_cap(x, cap: float):
+  """cap * tanh(x / cap): a smooth clip to (-cap, cap) (Gemma 2's attention and final logits)."""
+  return jnp.tanh(x / cap) * cap
+
+
+def dot_product_attention(
+  query, key, value, segment_ids, sliding_window: int = 0, logits_soft_cap: float = 0.0, float32_logits: bool = True
+):
+  """softmax(soft_cap(q k^T) + mask) v with grouped-query heads; the softmax scale is already in the query.
 
   Args:
     query: (B, T, Nq, D). key, value: (B, S, Nkv, D), Nq a multiple of Nkv.
     segment_ids: (B, T) packed-segment ids.
+    sliding_window: > 0 limits each query to that many most recent keys (itself included).
+    logits_soft_cap: > 0 caps the logits with soft_cap before masking.
   Returns:
     (B, T, Nq, D)
   """
@@ -44,14 +60,22 @@ def dot_product_attention(query, key, value, segment_ids, float32_logits: bool =
   logits = jnp.einsum("btkgd,bskd->bkgts", query, key)  # (B, Nkv, G, T, S)
   if float32_logits:
     logits = logits.astype(jnp.float32)
-  logits = jnp.where(attention_mask(segment_ids), logits, _MASK_VALUE)
+  if logits_soft_cap > 0:
+    logits = soft_cap(logits, logits_soft_cap)
+  logits = jnp.where(attention_mask(segment_ids, sliding_window), logits, _MASK_VALUE)
   probs = nn.softmax(logits, axis=-1).astype(value.dtype)
   out = jnp.einsum("bkgts,bskd->btkgd", probs, value)  # (B, T, Nkv, G, D)
   return out.reshape(batch, length, num_q, head_dim)
 
 
 class Attention(nn.Module):
-  """Self-attention with separate query/key/value/out kernels named as in upstream MaxText checkpoints."""
+  """Self-attention with query/key/value/out kernels named as in upstream MaxText checkpoints.
+
+  Kernels are [E, N, D] (query, key, value) and [N, D, E] (out): a reshape of the Hugging Face [N*D, E]
+  projections. Options a family picks: use_rope (False for GPT-3), use_bias (GPT-3), use_qk_norm (Qwen3:
+  RMSNorm over head_dim of q and k before RoPE, `query_norm`/`key_norm`), fused_qkv (one `qkv_proj` kernel
+  [E, 3, N, D], needs Nq == Nkv).
+  """
 
   num_query_heads: int
   num_kv_heads: int
@@ -59,37 +83,66 @@ class Attention(nn.Module):
   attention_kernel: str = "dot_product"
   rope_min_timescale: float = 1
   rope_max_timescale: float = 10_000
+  rope_scaling: Llama3RopeScaling | None = None
+  use_rope: bool = True
   query_scale: float = 1.0  # multiplies the query after RoPE: 1/sqrt(head_dim), or query_pre_attn_scalar**-0.5
+  sliding_window: int = 0
+  logits_soft_cap: float = 0.0
+  use_bias: bool = False
+  use_qk_norm: bool = False
+  norm_epsilon: float = 1e-6
+  fused_qkv: bool = False
   dtype: str = "float32"
   weight_dtype: str = "float32"
 
-  @nn.compact
-  def __call__(self, x, positions, segment_ids):
+  def _project(self, x):
+    """(B, T, E) -> query (B, T, Nq, D), key and value (B, T, Nkv, D), with their remat names."""
     dense = functools.partial(
-      DenseGeneral, dtype=self.dtype, weight_dtype=self.weight_dtype, kernel_init=initializers.attention_kernel_init
+      DenseGeneral,
+      dtype=self.dtype,
+      weight_dtype=self.weight_dtype,
+      kernel_init=initializers.attention_kernel_init,
+      use_bias=self.use_bias,
     )
-
+    if self.fused_qkv:
+      qkv = dense((3, self.num_query_heads, self.head_dim), ("embed", None, "heads", "kv"), name="qkv_proj")(x)
+      qkv = checkpoint_name(qkv, "qkv_proj")  # (B, T, 3, N, D)
+      return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     query = dense((self.num_query_heads, self.head_dim), ("embed", "heads", "kv"), name="query")(x)
     key = dense((self.num_kv_heads, self.head_dim), ("embed", "kv_heads", "kv_head_dim"), name="key")(x)
     value = dense((self.num_kv_heads, self.head_dim), ("embed", "kv_heads", "kv_head_dim"), name="value")(x)
-    query = checkpoint_name(query, "query_proj")  # (B, T, Nq, D)
-    key = checkpoint_name(key, "key_proj")  # (B, T, Nkv, D)
-    value = checkpoint_name(value, "value_proj")
+    return checkpoint_name(query, "query_proj"), checkpoint_name(key, "key_proj"), checkpoint_name(value, "value_proj")
 
-    rope = functools.partial(
-      apply_rotary_embedding, min_timescale=self.rope_min_timescale, max_timescale=self.rope_max_timescale
-    )
+  @nn.compact
+  def __call__(self, x, positions, segment_ids):
+    query, key, value = self._project(x)
+    if self.use_qk_norm:
+      norm = functools.partial(RMSNorm, epsilon=self.norm_epsilon, dtype=self.dtype, weight_dtype=self.weight_dtype)
+      query, key = norm(name="query_norm")(query), norm(name="key_norm")(key)
+    if self.use_rope:
+      rope = functools.partial(
+        apply_rotary_embedding,
+        min_timescale=self.rope_min_timescale,
+        max_timescale=self.rope_max_timescale,
+        scaling=self.rope_scaling,
+      )
+      query, key = rope(query, positions), rope(key, positions)
     # The softmax scale is applied here, not folded into the query kernel, so that checkpoints convert by
     # permutation only. Scaling q (not the logits) serves every kernel, flash included.
     query = nn.with_logical_constraint(
-      rope(query, positions) * self.query_scale,
-      ("activation_batch", "activation_length", "activation_heads", "activation_kv"),
+      query * self.query_scale, ("activation_batch", "activation_length", "activation_heads", "activation_kv")
     )
-    if self.attention_kernel == "flash":
-      kernel = flash_attention
-    else:
-      kernel = dot_product_attention
-    out = kernel(query, rope(key, positions), value, segment_ids)
+    kernel = flash_attention if self.attention_kernel == "flash" else dot_product_attention
+    out = kernel(query, key, value, segment_ids, sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)
     out = checkpoint_name(out, "context")  # (B, T, Nq, D)
-    out = dense(x.shape[-1], ("heads", "kv", "embed"), axis=(-2, -1), name="out")(out)
+    out = DenseGeneral(
+      x.shape[-1],
+      ("heads", "kv", "embed"),
+      axis=(-2, -1),
+      dtype=self.dtype,
+      weight_dtype=self.weight_dtype,
+      kernel_init=initializers.attention_kernel_init,
+      use_bias=self.use_bias,
+      name="out",
+    )(out)
     return checkpoint_name(out, "out_proj")

@@ -1,38 +1,80 @@
-"""Builders that create the shared sub-blocks from the config, so that family blocks stay short."""
+"""Builders that create the shared sub-blocks from the config, so that family blocks stay short, and the
+DecoderFamily record through which a family tells the generic decoder stack what it needs."""
+
+import dataclasses
+from collections.abc import Callable
 
 import flax.linen as nn
 
 from MaxText.layers.attentions import Attention
+from MaxText.layers.embeddings import Llama3RopeScaling
 from MaxText.layers.linears import MlpBlock
-from MaxText.layers.normalizations import RMSNorm
+from MaxText.layers.normalizations import LayerNorm, RMSNorm
 
 
-def rms_norm(config, name: str) -> RMSNorm:
-  return RMSNorm(epsilon=config.normalization_layer_epsilon, dtype=config.dtype, weight_dtype=config.weight_dtype, name=name)
+def rms_norm(config, name: str, scale_plus_one: bool = False) -> RMSNorm:
+  """RMSNorm; scale_plus_one multiplies by (1 + scale) in float32 (Gemma)."""
+  return RMSNorm(
+    epsilon=config.normalization_layer_epsilon,
+    dtype=config.dtype,
+    weight_dtype=config.weight_dtype,
+    scale_plus_one=scale_plus_one,
+    name=name,
+  )
 
 
-def self_attention(config, name: str = "self_attention") -> Attention:
-  return Attention(
+def gemma_rms_norm(config, name: str) -> RMSNorm:
+  return rms_norm(config, name, scale_plus_one=True)
+
+
+def layer_norm(config, name: str) -> LayerNorm:
+  return LayerNorm(
+    epsilon=config.normalization_layer_epsilon, dtype=config.dtype, weight_dtype=config.weight_dtype, name=name
+  )
+
+
+def rope_scaling(config) -> Llama3RopeScaling | None:
+  if config.rope_scaling_factor <= 0:
+    return None
+  return Llama3RopeScaling(
+    factor=config.rope_scaling_factor,
+    low_freq_factor=config.rope_scaling_low_freq_factor,
+    high_freq_factor=config.rope_scaling_high_freq_factor,
+    original_max_position_embeddings=config.rope_scaling_original_max_position_embeddings,
+  )
+
+
+def self_attention(config, name: str = "self_attention", **family_options) -> Attention:
+  """Attention from the config; family_options (use_rope, use_bias, use_qk_norm, sliding_window) override it."""
+  options = dict(
     num_query_heads=config.num_query_heads,
     num_kv_heads=config.num_kv_heads,
     head_dim=config.head_dim,
     attention_kernel=config.attention,
     rope_min_timescale=config.rope_min_timescale,
     rope_max_timescale=config.rope_max_timescale,
+    rope_scaling=rope_scaling(config),
     query_scale=(config.query_pre_attn_scalar or config.head_dim) ** -0.5,
+    sliding_window=config.sliding_window_size,
+    logits_soft_cap=config.attn_logits_soft_cap,
+    fused_qkv=config.fused_qkv,
+    norm_epsilon=config.normalization_layer_epsilon,
     dtype=config.dtype,
     weight_dtype=config.weight_dtype,
-    name=name,
   )
+  options.update(family_options)
+  return Attention(**options, name=name)
 
 
-def mlp(config, name: str = "mlp") -> MlpBlock:
+def mlp(config, name: str = "mlp", use_bias: bool = False) -> MlpBlock:
   return MlpBlock(
     intermediate_dim=config.mlp_dim,
     activations=config.mlp_activations,
     dropout_rate=config.dropout_rate,
     dtype=config.dtype,
     weight_dtype=config.weight_dtype,
+    use_bias=use_bias,
+    fused=config.fused_mlp,
     name=name,
   )
 
@@ -44,3 +86,22 @@ def dropout(config) -> nn.Dropout:
 
 def layer_input(x):
   return nn.with_logical_constraint(x, ("activation_batch", "activation_length", "activation_embed"))
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderFamily:
+  """What the generic decoder stack (models.Decoder) takes from a family.
+
+  Attributes:
+    layer: the module scanned num_decoder_layers / layers_per_block times, called (x, segment_ids, positions,
+      deterministic) -> x.
+    final_norm: builds the norm after the last layer, called (config, name).
+    scale_embedding: multiply the token embeddings by sqrt(emb_dim) in the activation dtype (Gemma).
+    layers_per_block: decoder layers in one `layer` (Gemma 2: a local and a global layer); must equal
+      common_types.DECODER_LAYERS_PER_BLOCK, which the config validation reads.
+  """
+
+  layer: type[nn.Module]
+  final_norm: Callable = rms_norm
+  scale_embedding: bool = False
+  layers_per_block: int = 1

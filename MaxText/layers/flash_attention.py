@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 _MAX_BLOCK = 512
 
 
-def _kernel(num_heads: int, length: int, interpret: bool):
+def _kernel(num_heads: int, length: int, sliding_window: int, logits_soft_cap: float, interpret: bool):
   block = min(_MAX_BLOCK, length)
   sizes = splash.BlockSizes(
     block_q=block,
@@ -28,13 +28,24 @@ def _kernel(num_heads: int, length: int, interpret: bool):
     block_q_dq=block,
     block_kv_dq=block,
   )
-  mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((length, length)) for _ in range(num_heads)])
-  return splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+  if sliding_window > 0:  # causal, and t - s < sliding_window
+    head_mask = splash_mask.LocalMask((length, length), window_size=(sliding_window - 1, 0), offset=0)
+  else:
+    head_mask = splash_mask.CausalMask((length, length))
+  mask = splash_mask.MultiHeadMask([head_mask for _ in range(num_heads)])
+  return splash.make_splash_mha(
+    mask,
+    block_sizes=sizes,
+    head_shards=1,
+    q_seq_shards=1,
+    attn_logits_soft_cap=logits_soft_cap or None,
+    interpret=interpret,
+  )
 
 
-def _local_attention(query, key, value, segment_ids, interpret: bool):
+def _local_attention(query, key, value, segment_ids, sliding_window: int, logits_soft_cap: float, interpret: bool):
   """One shard: (b, T, nq, D) queries, (b, T, nkv, D) keys/values -> (b, T, nq, D)."""
-  kernel = _kernel(query.shape[2], query.shape[1], interpret)
+  kernel = _kernel(query.shape[2], query.shape[1], sliding_window, logits_soft_cap, interpret)
   to_heads_first = functools.partial(jnp.swapaxes, axis1=1, axis2=2)  # (b, T, n, D) <-> (b, n, T, D)
 
   def one_example(q, k, v, seg):
@@ -54,15 +65,19 @@ def _compiles_for_cpu(mesh) -> bool:
   return platform == "cpu"
 
 
-def flash_attention(query, key, value, segment_ids, interpret: bool | None = None):
-  """Causal, segment-masked attention with the splash kernel. Shapes as dot_product_attention.
+def flash_attention(
+  query, key, value, segment_ids, sliding_window: int = 0, logits_soft_cap: float = 0.0, interpret: bool | None = None
+):
+  """Causal, segment-masked attention with the splash kernel. Shapes and options as dot_product_attention.
 
   Args:
     interpret: run the Pallas interpreter; default: only when compiling for CPU devices.
   """
   mesh = jax.sharding.get_abstract_mesh()
   interpret = _compiles_for_cpu(mesh) if interpret is None else interpret
-  local = functools.partial(_local_attention, interpret=interpret)
+  local = functools.partial(
+    _local_attention, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, interpret=interpret
+  )
   if mesh.empty:
     return local(query, key, value, segment_ids)
   q_spec = nn.logical_to_mesh_axes(("activation_batch", "activation_length", "activation_heads", None))

@@ -14,7 +14,8 @@ from MaxText.layers import initializers
 ACTIVATIONS = {
   "silu": nn.silu,
   "swish": nn.swish,
-  "gelu": nn.gelu,
+  "gelu": nn.gelu,  # tanh approximation (transformers' gelu_pytorch_tanh / gelu_new), as upstream MaxText
+  "gelu_exact": functools.partial(nn.gelu, approximate=False),  # erf form (transformers' "gelu")
   "relu": nn.relu,
   "tanh": jnp.tanh,
   "sigmoid": nn.sigmoid,
@@ -30,7 +31,8 @@ def _canonical_axes(axes, ndim: int) -> tuple[int, ...]:
 class DenseGeneral(nn.Module):
   """A projection contracting `axis` of the input into `features` (an int or a tuple of output dims).
 
-  The kernel has shape input_dims[axis] + features and carries the logical axis names `kernel_axes`.
+  The kernel has shape input_dims[axis] + features and carries the logical axis names `kernel_axes`;
+  use_bias adds a `bias` of shape features (zeros at init).
   """
 
   features: int | Sequence[int]
@@ -39,6 +41,7 @@ class DenseGeneral(nn.Module):
   dtype: str = "float32"
   weight_dtype: str = "float32"
   kernel_init: callable = initializers.default_kernel_init
+  use_bias: bool = False
 
   @nn.compact
   def __call__(self, inputs):
@@ -54,26 +57,42 @@ class DenseGeneral(nn.Module):
     )
     inputs = inputs.astype(self.dtype)
     kernel = kernel.astype(self.dtype)
-    return lax.dot_general(inputs, kernel, ((axis, in_axes), ((), ())))
+    out = lax.dot_general(inputs, kernel, ((axis, in_axes), ((), ())))
+    if self.use_bias:
+      bias_axes = tuple(self.kernel_axes)[len(kernel_in) :]
+      bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, bias_axes), features, self.weight_dtype)
+      out = out + bias.astype(self.dtype)
+    return out
 
 
 class MlpBlock(nn.Module):
-  """Gated MLP: wo(prod_i act_i(wi_i x)); one activation gives a plain MLP with a single `wi`."""
+  """Gated MLP: wo(prod_i act_i(wi_i x)); one activation gives a plain MLP with a single `wi`.
+
+  fused (fused_mlp) holds the wi_i as one `wi` kernel [E, A, M] (A activations) and runs them as one matmul.
+  """
 
   intermediate_dim: int
   activations: Sequence[str]
   dropout_rate: float = 0.0
   dtype: str = "float32"
   weight_dtype: str = "float32"
+  use_bias: bool = False
+  fused: bool = False
 
   @nn.compact
   def __call__(self, x, deterministic: bool):
-    dense = functools.partial(DenseGeneral, dtype=self.dtype, weight_dtype=self.weight_dtype)
-    branches = []
-    for i, act in enumerate(self.activations):
-      name = "wi" if len(self.activations) == 1 else f"wi_{i}"
-      h = checkpoint_name(dense(self.intermediate_dim, ("embed", "mlp"), name=name)(x), "mlpwi")
-      branches.append(ACTIVATIONS[act](h))
+    dense = functools.partial(DenseGeneral, dtype=self.dtype, weight_dtype=self.weight_dtype, use_bias=self.use_bias)
+    num = len(self.activations)
+    if self.fused and num > 1:
+      h = dense((num, self.intermediate_dim), ("embed", None, "mlp"), name="wi")(x)  # (B, T, A, M)
+      h = checkpoint_name(h, "mlpwi")
+      branches = [ACTIVATIONS[act](h[..., i, :]) for i, act in enumerate(self.activations)]
+    else:
+      branches = []
+      for i, act in enumerate(self.activations):
+        name = "wi" if num == 1 else f"wi_{i}"
+        h = checkpoint_name(dense(self.intermediate_dim, ("embed", "mlp"), name=name)(x), "mlpwi")
+        branches.append(ACTIVATIONS[act](h))
     h = functools.reduce(operator.mul, branches)  # (B, T, M)
     h = nn.with_logical_constraint(h, ("activation_batch", "activation_length", "activation_mlp"))
     h = nn.Dropout(self.dropout_rate, broadcast_dims=(-2,))(h, deterministic=deterministic)

@@ -6,15 +6,26 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from MaxText.layers import block_parts
+from MaxText import common_types
+from MaxText.layers import block_parts, gemma, gemma2, gpt3
+from MaxText.layers.attentions import soft_cap
+from MaxText.layers.block_parts import DecoderFamily
 from MaxText.layers.default_block import DecoderLayer
 from MaxText.layers.embeddings import Embed
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.llama2 import LlamaDecoderLayer
+from MaxText.layers.mistral import MistralDecoderLayer
+from MaxText.layers.qwen3 import Qwen3DecoderLayer
 
+# decoder_block -> the family's layer and what the stack does around it (final norm, embedding scale).
 DECODER_BLOCKS = {
-  "default": DecoderLayer,
-  "llama2": LlamaDecoderLayer,
+  "default": DecoderFamily(DecoderLayer),
+  "llama2": DecoderFamily(LlamaDecoderLayer),
+  "mistral": DecoderFamily(MistralDecoderLayer),
+  "gemma": gemma.FAMILY,
+  "gemma2": gemma2.FAMILY,
+  "gpt3": gpt3.FAMILY,
+  "qwen3": DecoderFamily(Qwen3DecoderLayer),
 }
 
 _cp = jax.checkpoint_policies
@@ -30,6 +41,11 @@ REMAT_POLICIES = {
   "minimal_flash": _cp.save_from_both_policies(_cp.checkpoint_dots_with_no_batch_dims, _cp.save_only_these_names("context")),
   "none": None,
 }
+
+
+def num_blocks(config) -> int:
+  """Scanned blocks (layers/ stacked, or layers_0 .. layers_{n-1}) of the decoder: layers / layers per block."""
+  return config.num_decoder_layers // common_types.DECODER_LAYERS_PER_BLOCK.get(config.decoder_block, 1)
 
 
 def logits_dot_dtype(cfg) -> str:
@@ -50,14 +66,14 @@ def _scannable(block_cls):
 
 
 class Decoder(nn.Module):
-  """Embeds tokens, runs num_decoder_layers blocks of `config.decoder_block`, and returns float32 logits."""
+  """Embeds tokens, runs num_decoder_layers layers of `config.decoder_block`, and returns float32 logits."""
 
   config: object
   shared_embedding: nn.Module
 
   def _block_stack(self):
     cfg = self.config
-    block = DECODER_BLOCKS[cfg.decoder_block]
+    block = DECODER_BLOCKS[cfg.decoder_block].layer
     if cfg.scan_layers:
       block = _scannable(block)
     if cfg.remat_policy != "none":
@@ -68,7 +84,19 @@ class Decoder(nn.Module):
   @nn.compact
   def __call__(self, tokens, positions, segment_ids, deterministic: bool):
     cfg = self.config
+    family = DECODER_BLOCKS[cfg.decoder_block]
     y = self.shared_embedding(tokens)  # (B, T, E)
+    if family.scale_embedding:
+      y = y * jnp.asarray(cfg.emb_dim**0.5, y.dtype)  # rounded to the activation dtype, as the reference does
+    if cfg.trainable_position_size > 0:
+      y = y + Embed(
+        cfg.trainable_position_size,
+        cfg.emb_dim,
+        dtype=cfg.dtype,
+        weight_dtype=cfg.weight_dtype,
+        use_iota=cfg.use_iota_embed,
+        name="position_embedder",
+      )(positions)
     y = block_parts.dropout(cfg)(y, deterministic=deterministic)
     block = self._block_stack()
     if cfg.scan_layers:
@@ -77,14 +105,14 @@ class Decoder(nn.Module):
         variable_axes={"params": cfg.param_scan_axis},
         split_rngs={"params": True, "dropout": True},
         in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
-        length=cfg.num_decoder_layers,
+        length=num_blocks(cfg),
         metadata_params={nn.PARTITION_NAME: "layers"},
       )
       y, _ = stack(config=cfg, name="layers")(y, segment_ids, positions, deterministic)
     else:
-      for i in range(cfg.num_decoder_layers):
+      for i in range(num_blocks(cfg)):
         y = block(config=cfg, name=f"layers_{i}")(y, segment_ids, positions, deterministic)
-    y = block_parts.rms_norm(cfg, "decoder_norm")(y)
+    y = family.final_norm(cfg, "decoder_norm")(y)
     y = block_parts.dropout(cfg)(y, deterministic=deterministic)
     if cfg.logits_via_embedding:
       logits = self.shared_embedding.attend(y)
@@ -97,7 +125,10 @@ class Decoder(nn.Module):
     logits = nn.with_logical_constraint(
       logits, ("activation_embed_and_logits_batch", "activation_length", "activation_vocab")
     )
-    return logits.astype(jnp.float32)  # (B, T, V)
+    logits = logits.astype(jnp.float32)  # (B, T, V)
+    if cfg.final_logits_soft_cap > 0:
+      logits = soft_cap(logits, cfg.final_logits_soft_cap)
+    return logits
 
 
 class Transformer(nn.Module):
@@ -113,6 +144,7 @@ class Transformer(nn.Module):
       dtype=cfg.dtype,
       weight_dtype=cfg.weight_dtype,
       attend_dtype=logits_dot_dtype(cfg),
+      use_iota=cfg.use_iota_embed,
       name="token_embedder",
     )
     self.decoder = Decoder(config=cfg, shared_embedding=self.token_embedder, name="decoder")

@@ -1,0 +1,42 @@
+"""Gemma decoder layer: pre-norm attention and GeGLU MLP with (1 + scale) RMSNorms; Gemma 2 adds post-norms.
+
+The family also scales the token embeddings by sqrt(emb_dim) and ends with a (1 + scale) RMSNorm; its
+presets tie the logits to the embedding (logits_via_embedding) without dividing them.
+"""
+
+import flax.linen as nn
+from jax.ad_checkpoint import checkpoint_name
+
+from MaxText.layers import block_parts
+
+
+class GemmaDecoderLayer(nn.Module):
+  """h = x + post_attn_norm(attn(norm(x))); out = h + post_ffw_norm(mlp(norm(h))).
+
+  The post-norms exist when use_post_attn_norm / use_post_ffw_norm are set (Gemma 2).
+
+  Attributes:
+    sliding_window: the attention window of this layer; None takes sliding_window_size from the config.
+  """
+
+  config: object
+  sliding_window: int | None = None
+
+  @nn.compact
+  def __call__(self, x, segment_ids, positions, deterministic: bool):
+    cfg = self.config
+    window = cfg.sliding_window_size if self.sliding_window is None else self.sliding_window
+    x = checkpoint_name(block_parts.layer_input(x), "decoder_layer_input")  # (B, T, E)
+    attn = block_parts.self_attention(cfg, sliding_window=window)(
+      block_parts.gemma_rms_norm(cfg, "pre_self_attention_norm")(x), positions, segment_ids
+    )
+    if cfg.use_post_attn_norm:
+      attn = block_parts.gemma_rms_norm(cfg, "post_self_attention_norm")(attn)
+    h = x + block_parts.dropout(cfg)(attn, deterministic=deterministic)
+    mlp = block_parts.mlp(cfg)(block_parts.gemma_rms_norm(cfg, "pre_ffw_norm")(h), deterministic)
+    if cfg.use_post_ffw_norm:
+      mlp = block_parts.gemma_rms_norm(cfg, "post_ffw_norm")(mlp)
+    return h + block_parts.dropout(cfg)(mlp, deterministic=deterministic)
+
+
+FAMILY = block_parts.DecoderFamily(GemmaDecoderLayer, final_norm=block_parts.gemma_rms_norm, scale_embedding=True)
