@@ -17,7 +17,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from MaxText import max_logging
+from MaxText import max_logging, params_layout
 from MaxText.errors import UserError
 from MaxText.input_pipeline.batching import merge_process_states
 
@@ -317,17 +317,22 @@ def restore_latest(manager, abstract_state):
   return None
 
 
-def load_params(path: str, abstract_params):
-  """Params from an Orbax PyTree holding {"params": ...} (a training checkpoint's items, or params-only)."""
+def load_params(path: str, abstract_params, scan_axis: int = 1):
+  """Params from an Orbax PyTree holding {"params": ...} (a training checkpoint's items, or params-only).
+
+  The checkpoint's layers may be scanned (`layers`) or per-layer (`layers_i`) whatever the layout of
+  `abstract_params` (params_layout restacks them on the devices); scan_axis is the run's param_scan_axis.
+  """
   tree = _tree_metadata(path, "load_parameters_path")
-  check_checkpoint_fits(tree["params"], abstract_params, path)
-  target = {"params": abstract_params}
+  saved_layout = params_layout.saved_layout(tree["params"], abstract_params, scan_axis)
+  check_checkpoint_fits(tree["params"], saved_layout, path)
+  target = {"params": saved_layout}
   restore_args = ocp.checkpoint_utils.construct_restore_args(target)
   restored = ocp.PyTreeCheckpointer().restore(
     path, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
   )
   max_logging.log(f"Loaded parameters from {path}")
-  return restored["params"]
+  return params_layout.to_run_layout(restored["params"], abstract_params, scan_axis)
 
 
 def load_full_state(path: str, abstract_state):
@@ -356,7 +361,8 @@ def initial_state(config, manager, abstract_state, init_fn):
       return restored
   if config.load_parameters_path:
     state = init_fn()
-    return state.replace(params=load_params(config.load_parameters_path, abstract_state.params)), None
+    params = load_params(config.load_parameters_path, abstract_state.params, config.param_scan_axis)
+    return state.replace(params=params), None
   if config.load_full_state_path:
     return load_full_state(config.load_full_state_path, abstract_state), None
   return init_fn(), None

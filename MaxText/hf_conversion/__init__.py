@@ -1,0 +1,28 @@
+"""Hugging Face <-> MaxText checkpoint conversion: per-family tables (`llama.py`, ...) over shared readers and writers.
+
+Entry point: MaxText/convert_checkpoint.py.
+"""
+
+from MaxText.errors import UserError
+from MaxText.hf_conversion import llama
+
+FAMILIES = (llama.FAMILY,)
+
+
+def family_for_hf_config(hf: dict, where: str):
+  """The family of an HF config.json (its `model_type`), or a UserError naming what is supported."""
+  model_type = hf.get("model_type")
+  for family in FAMILIES:
+    if model_type in family.model_types:
+      return family
+  architectures = ", ".join(hf.get("architectures") or []) or "?"
+  supported = ", ".join(t for family in FAMILIES for t in family.model_types)
+  raise UserError(f"{where}: unsupported architecture {architectures} (model_type '{model_type}'); supported: {supported}")
+
+
+def family_for_decoder_block(decoder_block: str):
+  for family in FAMILIES:
+    if family.decoder_block == decoder_block:
+      return family
+  supported = ", ".join(family.decoder_block for family in FAMILIES)
+  raise UserError(f"decoder_block={decoder_block} has no Hugging Face conversion; supported: {supported}")

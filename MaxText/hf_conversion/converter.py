@@ -1,0 +1,242 @@
+"""HF directory -> MaxText directory (model.yml + params/) and back, streaming tensor by tensor."""
+
+import json
+import os
+
+import numpy as np
+import yaml
+
+from MaxText.errors import UserError
+from MaxText.hf_conversion import (
+  family_for_decoder_block,
+  family_for_hf_config,
+  hf_io,
+  maxtext_io,
+  plan,
+  tables,
+  tokenizer_files,
+)
+
+MODEL_YML = "model.yml"
+PARAMS_DIR = "params"
+HF_CONFIG_COPY = "hf_config.json"  # the source config.json, whose non-architecture keys to_hf keeps
+_IGNORED_HF_TENSORS = ("rotary_emb.inv_freq",)  # buffers that older checkpoints saved
+
+
+def read_hf_config(hf_path: str) -> dict:
+  if not os.path.isdir(hf_path):
+    raise UserError(f"--hf_path {hf_path} is not a directory")
+  config_file = os.path.join(hf_path, "config.json")
+  if not os.path.isfile(config_file):
+    raise UserError(f"{config_file} is missing (a Hugging Face model directory has config.json and the weights)")
+  with open(config_file, encoding="utf-8") as f:
+    try:
+      return json.load(f)
+    except json.JSONDecodeError as e:
+      raise UserError(f"{config_file} is not valid JSON: {e}") from None
+
+
+def maxtext_config(model_yml: str, **overrides):
+  """The Config of a converted model.yml (no data or tokenizer is needed to convert)."""
+  from MaxText import pyconfig  # pylint: disable=import-outside-toplevel
+
+  overrides = {"run_name": "convert_checkpoint", "dataset_type": "synthetic", "attention": "dot_product", **overrides}
+  return pyconfig.initialize(["convert_checkpoint", model_yml], environ={}, **overrides)
+
+
+def abstract_param_shapes(config) -> dict:
+  """{key path below params: (shape, dtype)} of the model, from jax.eval_shape (nothing allocated)."""
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  from MaxText.layers.models import Transformer  # pylint: disable=import-outside-toplevel
+
+  tokens = jnp.ones((1, 8), jnp.int32)
+  rng = jax.random.PRNGKey(0)
+  boxed = jax.eval_shape(lambda: Transformer(config).init({"params": rng, "dropout": rng}, tokens, tokens))
+  flat = jax.tree_util.tree_flatten_with_path(nn.unbox(boxed)["params"])[0]
+  return {tuple(str(k.key) for k in path): leaf.shape for path, leaf in flat}
+
+
+def _write_model_yml(out_dir: str, keys: dict, hf_path: str) -> str:
+  path = os.path.join(out_dir, MODEL_YML)
+  header = (
+    f"# Converted from {os.path.abspath(hf_path)} by MaxText/convert_checkpoint.py. Use it as the config file:\n"
+    f"#   python3 MaxText/train.py {path} run_name=ft load_parameters_path={os.path.join(out_dir, PARAMS_DIR)}\n"
+  )
+  body = yaml.safe_dump({"base_config": "base.yml", **keys}, sort_keys=False, default_flow_style=None, width=125)
+  with open(path, "w", encoding="utf-8") as f:
+    f.write(header + body)
+  return path
+
+
+class _Progress:
+  """A progress bar of bytes converted, with the count of tensors as its postfix."""
+
+  def __init__(self, total_bytes: int, num_tensors: int, what: str):
+    from tqdm import tqdm  # pylint: disable=import-outside-toplevel
+
+    self._bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc=what, dynamic_ncols=True)
+    self._done, self._total = 0, num_tensors
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self._bar.close()
+
+  def update(self, nbytes: int) -> None:
+    self._done += 1
+    self._bar.set_postfix_str(f"{self._done}/{self._total} tensors", refresh=False)
+    self._bar.update(nbytes)
+
+
+def to_maxtext(hf_path: str, output_dir: str) -> str:
+  """Converts an HF model directory into output_dir/{model.yml, params/, tokenizer files}; returns model.yml's path."""
+  hf_cfg = read_hf_config(hf_path)
+  where = os.path.join(hf_path, "config.json")
+  family = family_for_hf_config(hf_cfg, where)
+  keys = family.config_to_maxtext(hf_cfg, where)
+  checkpoint = hf_io.HFCheckpoint(hf_path)
+  writer = maxtext_io.ParamsWriter(os.path.join(output_dir, PARAMS_DIR))  # refuses a non-empty one
+  tokenizer = tokenizer_files.copy_to_maxtext(hf_path, output_dir)
+  if tokenizer:
+    keys["tokenizer_path"] = tokenizer  # found next to model.yml (pyconfig tries the config's directory)
+  with open(os.path.join(output_dir, HF_CONFIG_COPY), "w", encoding="utf-8") as f:
+    json.dump(hf_cfg, f, indent=2)
+  model_yml = _write_model_yml(output_dir, keys, hf_path)
+  config = maxtext_config(model_yml)
+  arrays = plan.plan(family, abstract_param_shapes(config), config.param_scan_axis, config.logits_via_embedding, "the model")
+  tensors = plan.hf_tensors(arrays)
+  _check_hf_tensors(checkpoint, tensors, family, hf_path)
+  stores = {}
+  for array in arrays:
+    dtype = checkpoint.dtype(array.slices[0].hf_name)
+    stores[array.keys] = writer.create(("params", *array.keys), array.shape, dtype, array.stacked_axes)
+  total = sum(plan.nbytes(shape, checkpoint.dtype(name)) for name, shape, _, _, _ in tensors)
+  with _Progress(total, len(tensors), "HF -> MaxText") as bar:
+    for name, _, op, array, s in tensors:
+      store = stores[array.keys]
+      value = tables.to_maxtext(checkpoint.get(name), op, config.head_dim)
+      store[s.index].write(np.ascontiguousarray(value, dtype=store.dtype.numpy_dtype)).result()
+      bar.update(value.nbytes)
+  writer.finish()
+  return model_yml
+
+
+def _check_hf_tensors(checkpoint, tensors, family, hf_path: str) -> None:
+  """Every tensor the table needs exists with the shape config.json implies; no tensor is left unused."""
+  for name, shape, _, array, _ in tensors:
+    if name not in checkpoint:
+      raise UserError(f"{hf_path} has no tensor {name} (for params/{'/'.join(array.keys)})")
+    if checkpoint.shape(name) != tuple(shape):
+      raise UserError(
+        f"tensor {name} in {hf_path} has shape {list(checkpoint.shape(name))}; config.json implies {list(shape)}"
+      )
+  needed = {name for name, *_ in tensors}
+  unused = sorted(n for n in checkpoint.names() if n not in needed and not n.endswith(_IGNORED_HF_TENSORS))
+  if unused:
+    more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
+    raise UserError(
+      f"{hf_path} has tensors that the {family.name} conversion does not use: {', '.join(unused[:3])}{more} "
+      "(a variant of the architecture that MaxText does not support?)"
+    )
+
+
+class _ResolvedConfig:
+  """A run's resolved config.yml (train.py writes it into the run directory) with attribute access."""
+
+  def __init__(self, path: str):
+    with open(path, encoding="utf-8") as f:
+      self._values = yaml.safe_load(f)
+
+  def __getattr__(self, key):
+    try:
+      return self._values[key]
+    except KeyError:
+      raise AttributeError(key) from None
+
+
+def load_maxtext_dir(path: str):
+  """(config, params directory) of a converted directory (model.yml + params/) or of a training run directory
+  (config.yml + checkpoints/<step>/items, the latest step)."""
+  if os.path.isfile(os.path.join(path, MODEL_YML)):
+    params = os.path.join(path, PARAMS_DIR)
+    if not os.path.isdir(params):
+      raise UserError(f"{params} is missing (to_maxtext writes it next to model.yml)")
+    return maxtext_config(os.path.join(path, MODEL_YML)), params
+  checkpoints = os.path.join(path, "checkpoints")
+  if os.path.isfile(os.path.join(path, "config.yml")) and os.path.isdir(checkpoints):
+    steps = sorted((int(d) for d in os.listdir(checkpoints) if d.isdigit()), reverse=True)
+    for step in steps:
+      items = os.path.join(checkpoints, str(step), "items")
+      if os.path.isfile(os.path.join(items, "_METADATA")):
+        return _ResolvedConfig(os.path.join(path, "config.yml")), items
+    raise UserError(f"{checkpoints} holds no checkpoint (<step>/items)")
+  raise UserError(
+    f"--maxtext_dir {path} has neither {MODEL_YML} + {PARAMS_DIR}/ (to_maxtext) nor config.yml + checkpoints/ (a run)"
+  )
+
+
+def _tokenizer_dir(config, maxtext_dir: str) -> str:
+  """Where the tokenizer files (and hf_config.json) of a converted model are: next to its tokenizer_path."""
+  path = getattr(config, "tokenizer_path", "")
+  if os.path.isfile(os.path.join(maxtext_dir, HF_CONFIG_COPY)) or not path:
+    return maxtext_dir
+  if not os.path.isabs(path):
+    path = os.path.join(maxtext_dir, path)
+  return path if os.path.isdir(path) else os.path.dirname(path)
+
+
+def to_hf(maxtext_dir: str, output_dir: str) -> str:
+  """Converts a MaxText directory into an HF directory (config.json, safetensors, tokenizer files); returns it."""
+  config, params_dir = load_maxtext_dir(maxtext_dir)
+  family = family_for_decoder_block(config.decoder_block)
+  if os.path.exists(output_dir) and os.listdir(output_dir):
+    raise UserError(f"{output_dir} already exists and is not empty; choose another --output_dir (nothing is overwritten)")
+  reader = maxtext_io.ParamsReader(params_dir)
+  stores = reader.params()
+  arrays = plan.plan(
+    family, {k: tuple(s.shape) for k, s in stores.items()}, config.param_scan_axis, config.logits_via_embedding, params_dir
+  )
+  tensors = [(name, shape, stores[array.keys].dtype.numpy_dtype) for name, shape, _, array, _ in plan.hf_tensors(arrays)]
+  os.makedirs(output_dir, exist_ok=True)
+  shards = hf_io.plan_shards(tensors)
+  files = (
+    ["model.safetensors"]
+    if len(shards) == 1
+    else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+  )
+  by_name = {name: (op, array, s) for name, _, op, array, s in plan.hf_tensors(arrays)}
+  with _Progress(sum(plan.nbytes(s, d) for _, s, d in tensors), len(tensors), "MaxText -> HF") as bar:
+    for shard, file in zip(shards, files):
+      writer = hf_io.SafetensorsWriter(os.path.join(output_dir, file), shard)
+      for name, _, _ in shard:
+        op, array, s = by_name[name]
+        value = tables.to_hf(maxtext_io.read(stores[array.keys], s.index), op)
+        writer.write(name, value)
+        bar.update(value.nbytes)
+      writer.close()
+  if len(shards) > 1:
+    hf_io.write_index(output_dir, shards, files)
+  source_dir = _tokenizer_dir(config, maxtext_dir)
+  _write_hf_config(family, config, source_dir, output_dir, {np.dtype(d).name for _, _, d in tensors})
+  tokenizer_files.copy_to_hf(source_dir, output_dir)
+  return output_dir
+
+
+def _write_hf_config(family, config, source_dir: str, output_dir: str, dtypes: set) -> None:
+  """config.json: the family's keys from the MaxText config, over the source config.json's other keys."""
+  hf_cfg = {}
+  source = os.path.join(source_dir, HF_CONFIG_COPY)
+  if os.path.isfile(source):
+    with open(source, encoding="utf-8") as f:
+      hf_cfg = json.load(f)
+    hf_cfg.pop("rope_parameters", None)  # written again below, in the form both transformers 4 and 5 read
+  hf_cfg.update(family.config_to_hf(config))
+  dtype = dtypes.pop() if len(dtypes) == 1 else "float32"
+  hf_cfg["torch_dtype"] = dtype
+  hf_cfg.pop("dtype", None)
+  with open(os.path.join(output_dir, "config.json"), "w", encoding="utf-8") as f:
+    json.dump(hf_cfg, f, indent=2)

@@ -1,0 +1,158 @@
+"""Hugging Face checkpoint files, one tensor at a time: lazy reads of safetensors (or torch .bin) shards,
+and a streaming safetensors writer (the header is known before any data, so tensors are written as they come).
+"""
+
+import json
+import os
+import struct
+
+import numpy as np
+
+from MaxText.errors import UserError
+
+_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+_MAX_SHARD_BYTES = 4 * 2**30  # shards of at most 4 GiB, as transformers' save_pretrained does (5 GB)
+
+
+def _np_dtype(name: str) -> np.dtype:
+  import ml_dtypes  # pylint: disable=import-outside-toplevel  # numpy has no bfloat16
+
+  return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def _weight_files(path: str, single: str, suffix: str) -> list[str]:
+  """The weight files of one format: those of its index, else the single file, else every model*<suffix>.
+
+  (Some repositories also ship other files of the same suffix, e.g. Mistral's consolidated.safetensors.)
+  """
+  index = os.path.join(path, single.replace(suffix, f"{suffix}.index.json"))
+  if os.path.isfile(index):
+    with open(index, encoding="utf-8") as f:
+      files = sorted(set(json.load(f)["weight_map"].values()))
+    for name in files:
+      if not os.path.isfile(os.path.join(path, name)):
+        raise UserError(f"{index} names {name}, which is missing")
+    return files
+  if os.path.isfile(os.path.join(path, single)):
+    return [single]
+  stem = single.removesuffix(suffix)
+  return sorted(f for f in os.listdir(path) if f.startswith(stem) and f.endswith(suffix))
+
+
+class HFCheckpoint:
+  """The tensors of a local HF model directory, read lazily: safetensors (sharded or not), else torch .bin shards."""
+
+  def __init__(self, path: str):
+    self.path = path
+    self.format, files = "safetensors", _weight_files(path, "model.safetensors", ".safetensors")
+    if not files:
+      self.format, files = "bin", _weight_files(path, "pytorch_model.bin", ".bin")
+    if not files:
+      raise UserError(f"{path} holds no model weights (model*.safetensors or pytorch_model*.bin)")
+    self._where = {}  # tensor name -> file
+    self._handles = {}
+    for name in files:
+      for key in self._open(name).keys():
+        self._where[key] = name
+
+  def _open(self, name: str):
+    if name not in self._handles:
+      file = os.path.join(self.path, name)
+      if self.format == "safetensors":
+        from safetensors import safe_open  # pylint: disable=import-outside-toplevel
+
+        # "flax" gives bfloat16 too (numpy has none); each get_tensor reads only that tensor.
+        self._handles[name] = safe_open(file, framework="flax")
+      else:
+        try:
+          import torch  # pylint: disable=import-outside-toplevel
+        except ImportError:
+          raise UserError(f"{file} is a torch .bin shard: reading it needs torch (pip install torch)") from None
+        self._handles[name] = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+    return self._handles[name]
+
+  def names(self) -> list[str]:
+    return list(self._where)
+
+  def __contains__(self, name: str) -> bool:
+    return name in self._where
+
+  def shape(self, name: str) -> tuple:
+    handle = self._open(self._where[name])
+    if self.format == "safetensors":
+      return tuple(handle.get_slice(name).get_shape())
+    return tuple(handle[name].shape)
+
+  def dtype(self, name: str) -> np.dtype:
+    handle = self._open(self._where[name])
+    if self.format == "safetensors":
+      return _np_dtype(_SAFETENSORS_DTYPES[handle.get_slice(name).get_dtype()])
+    return _np_dtype(str(handle[name].dtype).removeprefix("torch."))
+
+  def get(self, name: str) -> np.ndarray:
+    handle = self._open(self._where[name])
+    if self.format == "safetensors":
+      return np.asarray(handle.get_tensor(name))
+    import torch  # pylint: disable=import-outside-toplevel
+
+    tensor = handle[name]
+    if tensor.dtype == torch.bfloat16:
+      return tensor.view(torch.int16).numpy().view(_np_dtype("bfloat16"))
+    return tensor.numpy()
+
+
+def _safetensors_dtype(dtype: np.dtype) -> str:
+  names = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
+  return names[np.dtype(dtype).name]
+
+
+def plan_shards(tensors: list[tuple[str, tuple, np.dtype]], max_bytes: int = _MAX_SHARD_BYTES) -> list[list]:
+  """Splits (name, shape, dtype) in order into shards of at most max_bytes (a larger tensor gets its own)."""
+  shards, current, size = [], [], 0
+  for name, shape, dtype in tensors:
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    if current and size + nbytes > max_bytes:
+      shards.append(current)
+      current, size = [], 0
+    current.append((name, shape, dtype))
+    size += nbytes
+  if current:
+    shards.append(current)
+  return shards
+
+
+class SafetensorsWriter:
+  """Writes one safetensors file whose tensors (name, shape, dtype) are declared up front, then `write`n in order."""
+
+  def __init__(self, file: str, tensors: list[tuple[str, tuple, np.dtype]], metadata: dict | None = None):
+    header, offset = {"__metadata__": metadata or {"format": "pt"}}, 0
+    for name, shape, dtype in tensors:
+      nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+      header[name] = {"dtype": _safetensors_dtype(dtype), "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+      offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    self._order = [(name, tuple(shape), np.dtype(dtype)) for name, shape, dtype in tensors]
+    self._next = 0
+    self._file = open(file, "wb")  # noqa: SIM115  # closed by close()
+    self._file.write(struct.pack("<Q", len(text)) + text)
+
+  def write(self, name: str, array: np.ndarray) -> None:
+    want = self._order[self._next]
+    if (name, tuple(array.shape), array.dtype) != want:
+      raise ValueError(f"safetensors writer expected {want}, got ({name}, {array.shape}, {array.dtype})")
+    self._file.write(np.ascontiguousarray(array).tobytes())
+    self._next += 1
+
+  def close(self) -> None:
+    if self._next != len(self._order):
+      raise ValueError(f"safetensors writer: {len(self._order) - self._next} tensors were not written")
+    self._file.close()
+
+
+def write_index(directory: str, shards: list[list], file_names: list[str]) -> None:
+  """model.safetensors.index.json for a sharded checkpoint."""
+  weight_map = {name: file for shard, file in zip(shards, file_names) for name, _, _ in shard}
+  total = sum(int(np.prod(s)) * np.dtype(d).itemsize for shard in shards for _, s, d in shard)
+  with open(os.path.join(directory, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+    json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)

@@ -1,0 +1,103 @@
+"""The vocabulary of the conversion tables: which Hugging Face tensor feeds which MaxText param, and how.
+
+A family module lists `Param`s; the conversion only permutes, reshapes, stacks and splits tensors (no
+arithmetic on values), so a round trip HF -> MaxText -> HF gives back the same bytes.
+"""
+
+import dataclasses
+
+import numpy as np
+
+# How an HF tensor becomes a MaxText param (HF nn.Linear weights are (out, in); MaxText kernels are (in, out)).
+#   identity   norms, embeddings                              (X,) -> (X,)
+#   transpose  MLP and router kernels, logits                 (out, in) -> (in, out)
+#   heads_in   query/key/value projections                    (N*D, E) -> (E, N, D)
+#   heads_out  attention output projection                    (E, N*D) -> (N, D, E)
+OPS = ("identity", "transpose", "heads_in", "heads_out")
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+  """One MaxText param and where it lives in a Hugging Face checkpoint.
+
+  Attributes:
+    maxtext: the param's path, "/"-separated, below `params` (globals) or below one decoder layer (layer params).
+    hf: the HF tensor name; "{i}" stands for the HF layer index and "{e}" for the expert index.
+    op: one of OPS.
+    experts: the MaxText param stacks the experts on its axis 0, one HF tensor per expert.
+    untied_only: the param exists only without tied embeddings (logits_via_embedding=false).
+    layer_offset: the HF layer of a block's param is block * Family.layers_per_block + layer_offset.
+  """
+
+  maxtext: str
+  hf: str
+  op: str = "identity"
+  experts: bool = False
+  untied_only: bool = False
+  layer_offset: int = 0
+
+  def __post_init__(self):
+    if self.op not in OPS:
+      raise ValueError(f"op={self.op} is not one of {OPS}")
+
+
+def to_maxtext(x: np.ndarray, op: str, head_dim: int) -> np.ndarray:
+  """One HF tensor (one layer, one expert) in MaxText's layout."""
+  if op == "identity":
+    return x
+  if op == "transpose":
+    return x.T
+  if op == "heads_in":
+    return x.T.reshape(x.shape[1], -1, head_dim)  # (E, N, D)
+  return x.T.reshape(-1, head_dim, x.shape[0])  # heads_out: (N, D, E)
+
+
+def to_hf(x: np.ndarray, op: str) -> np.ndarray:
+  """The inverse of to_maxtext."""
+  if op == "identity":
+    return x
+  if op == "transpose":
+    return x.T
+  if op == "heads_in":
+    return x.reshape(x.shape[0], -1).T  # (N*D, E)
+  return x.reshape(-1, x.shape[-1]).T  # heads_out: (E, N*D)
+
+
+def hf_shape(maxtext_shape: tuple, op: str) -> tuple:
+  """The HF tensor shape that to_maxtext turns into `maxtext_shape` (one layer, one expert)."""
+  if op == "identity":
+    return tuple(maxtext_shape)
+  if op == "transpose":
+    return tuple(reversed(maxtext_shape))
+  if op == "heads_in":
+    emb, heads, head_dim = maxtext_shape
+    return (heads * head_dim, emb)
+  heads, head_dim, emb = maxtext_shape
+  return (emb, heads * head_dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """A model family: its HF names, the MaxText decoder block, the param tables and the config mapping.
+
+  Attributes:
+    name: the family's name in messages and the README.
+    model_types: HF config.json `model_type` values it reads.
+    architecture: the HF class that to_hf names in config.json (`architectures`).
+    decoder_block: the MaxText decoder_block it maps to.
+    global_params: params outside the decoder layers.
+    layer_params: params of one decoder layer.
+    config_to_maxtext: HF config.json dict -> MaxText config keys (raises UserError on an unsupported variant).
+    config_to_hf: MaxText config (attribute access) -> HF config.json keys.
+    layers_per_block: HF layers in one MaxText decoder block (Gemma 2 pairs a local and a global layer).
+  """
+
+  name: str
+  model_types: tuple
+  architecture: str
+  decoder_block: str
+  global_params: tuple
+  layer_params: tuple
+  config_to_maxtext: object
+  config_to_hf: object
+  layers_per_block: int = 1
