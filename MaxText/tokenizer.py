@@ -47,6 +47,38 @@ _LLAMA3_PATTERN = (
 _NUM_RESERVED_SPECIAL_TOKENS = 256
 
 
+# Llama 3.1's named special tokens (ids 128000...); Llama 3 has the same ids for the ones both name.
+_LLAMA3_SPECIAL_TOKENS = (
+  "<|begin_of_text|>",
+  "<|end_of_text|>",
+  "<|reserved_special_token_0|>",
+  "<|reserved_special_token_1|>",
+  "<|finetune_right_pad_id|>",
+  "<|reserved_special_token_2|>",
+  "<|start_header_id|>",
+  "<|end_header_id|>",
+  "<|eom_id|>",
+  "<|eot_id|>",
+  "<|python_tag|>",
+)
+
+
+def _llama3_special_tokens(path: str, num_ranks: int) -> list[str]:
+  """The 256 special tokens after the ranks: as a tokenizer_config.json next to the file names them (a converted
+  Hugging Face directory), else Llama 3.1's names with the rest reserved."""
+  names = list(_LLAMA3_SPECIAL_TOKENS) + [
+    f"<|reserved_special_token_{i}|>" for i in range(3, _NUM_RESERVED_SPECIAL_TOKENS - len(_LLAMA3_SPECIAL_TOKENS) + 3)
+  ]
+  config_file = os.path.join(os.path.dirname(os.path.abspath(path)), "tokenizer_config.json")
+  if os.path.isfile(config_file):
+    with open(config_file, encoding="utf-8") as f:
+      added = json.load(f).get("added_tokens_decoder") or {}
+    for token_id, token in added.items():
+      if num_ranks <= int(token_id) < num_ranks + _NUM_RESERVED_SPECIAL_TOKENS:
+        names[int(token_id) - num_ranks] = token["content"]
+  return names
+
+
 class TikTokenTokenizer:
   """A tiktoken BPE rank file (`<base64 token> <rank>` per line) with Llama 3's special tokens."""
 
@@ -62,9 +94,7 @@ class TikTokenTokenizer:
             ranks[base64.b64decode(token)] = int(rank)
     except (OSError, ValueError) as e:
       raise UserError(f"tokenizer_path={path} is not a tiktoken rank file ({e})") from None
-    specials = ["<|begin_of_text|>", "<|end_of_text|>"] + [
-      f"<|reserved_special_token_{i}|>" for i in range(_NUM_RESERVED_SPECIAL_TOKENS - 2)
-    ]
+    specials = _llama3_special_tokens(path, len(ranks))
     special_ids = {tok: len(ranks) + i for i, tok in enumerate(specials)}
     self._enc = tiktoken.Encoding(
       os.path.basename(path), pat_str=_LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=special_ids
@@ -74,7 +104,9 @@ class TikTokenTokenizer:
     self.bos_id, self.eos_id = special_ids["<|begin_of_text|>"], special_ids["<|end_of_text|>"]
 
   def encode(self, text: str) -> list[int]:
-    ids = self._enc.encode(text, disallowed_special=())
+    # Special tokens written in the text (chat formats: <|start_header_id|>, <|eot_id|>) are encoded as those tokens,
+    # as transformers' Llama 3 tokenizer does.
+    ids = self._enc.encode(text, allowed_special="all")
     return ([self.bos_id] if self.add_bos else []) + ids + ([self.eos_id] if self.add_eos else [])
 
   def decode(self, ids) -> str:

@@ -29,7 +29,7 @@ def rope(hf: dict, where: str) -> tuple[float, dict]:
   return float(theta), dict(params, rope_type=rope_type)
 
 
-def _number(value: float):
+def number(value: float):
   """An integral float as an int (MaxText's integer keys take it; the YAML reads better)."""
   return int(value) if float(value).is_integer() else float(value)
 
@@ -49,12 +49,16 @@ def reject_true(hf: dict, keys: tuple, where: str) -> None:
 
 
 def decoder_keys(hf: dict, where: str, decoder_block: str) -> dict:
-  """The MaxText keys shared by the llama-like families (dims, norms, RoPE, tied logits)."""
-  heads = require(hf, "num_attention_heads", where)
-  emb = require(hf, "hidden_size", where)
+  """The MaxText keys shared by the llama-like families (dims, norms, RoPE, tied logits); plain RoPE only."""
   theta, scaling = rope(hf, where)
   if scaling:
     raise UserError(f"{where}: rope type '{scaling['rope_type']}' is not supported for {hf.get('model_type')}")
+  return common_keys(hf, where, decoder_block, theta)
+
+
+def common_keys(hf: dict, where: str, decoder_block: str, theta: float) -> dict:
+  heads = require(hf, "num_attention_heads", where)
+  emb = require(hf, "hidden_size", where)
   return {
     "decoder_block": decoder_block,
     "base_emb_dim": emb,
@@ -66,7 +70,7 @@ def decoder_keys(hf: dict, where: str, decoder_block: str) -> dict:
     "mlp_activations": [activation(hf, where), "linear"],
     "vocab_size": require(hf, "vocab_size", where),
     "normalization_layer_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
-    "rope_max_timescale": _number(theta),
+    "rope_max_timescale": number(theta),
     "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),
     "normalize_embedding_logits": False,  # transformers never divides tied logits by sqrt(emb)
   }
@@ -92,3 +96,27 @@ def decoder_config(cfg, model_type: str, architecture: str) -> dict:
     "attention_bias": False,
     "mlp_bias": False,
   }
+
+
+# Llama 3.1 RoPE scaling: HF rope_scaling keys <-> MaxText keys.
+LLAMA3_ROPE_KEYS = {
+  "factor": "rope_scaling_factor",
+  "low_freq_factor": "rope_scaling_low_freq_factor",
+  "high_freq_factor": "rope_scaling_high_freq_factor",
+  "original_max_position_embeddings": "rope_scaling_original_max_position_embeddings",
+}
+
+
+def llama3_rope_keys(scaling: dict, where: str) -> dict:
+  if scaling.get("rope_type") != "llama3":
+    raise UserError(f"{where}: rope type '{scaling.get('rope_type')}' is not supported (supported: default, llama3)")
+  missing = [k for k in LLAMA3_ROPE_KEYS if k not in scaling]
+  if missing:
+    raise UserError(f"{where}: rope_scaling of type llama3 lacks {', '.join(missing)}")
+  return {key: number(scaling[hf_key]) for hf_key, key in LLAMA3_ROPE_KEYS.items()}
+
+
+def llama3_rope_config(cfg) -> dict | None:
+  if cfg.rope_scaling_factor <= 0:
+    return None
+  return {"rope_type": "llama3", **{hf_key: getattr(cfg, key) for hf_key, key in LLAMA3_ROPE_KEYS.items()}}

@@ -20,6 +20,49 @@ def _np_dtype(name: str) -> np.dtype:
   return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
 
+class SafetensorsFile:
+  """One safetensors file, read tensor by tensor with plain reads.
+
+  Not memory-mapped (as safetensors' safe_open is): the pages of a mapped file that a conversion touches
+  count in its resident memory until the file is closed, so a shard would end up resident whole.
+  """
+
+  def __init__(self, path: str):
+    self.path = path
+    with open(path, "rb") as f:
+      try:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+      except (struct.error, ValueError) as e:
+        raise UserError(f"{path} is not a safetensors file ({e})") from None
+    header.pop("__metadata__", None)
+    self._data_start = 8 + length
+    self._header = header
+
+  def keys(self) -> list[str]:
+    return list(self._header)
+
+  def shape(self, name: str) -> tuple:
+    return tuple(self._header[name]["shape"])
+
+  def dtype(self, name: str) -> np.dtype:
+    kind = self._header[name]["dtype"]
+    if kind not in _SAFETENSORS_DTYPES:
+      raise UserError(f"tensor {name} in {self.path} has dtype {kind}; supported: {', '.join(_SAFETENSORS_DTYPES)}")
+    return _np_dtype(_SAFETENSORS_DTYPES[kind])
+
+  def get(self, name: str) -> np.ndarray:
+    begin, end = self._header[name]["data_offsets"]
+    out = np.empty(self.shape(name), self.dtype(name))
+    if out.nbytes != end - begin:
+      raise UserError(f"tensor {name} in {self.path}: {end - begin} bytes for shape {list(out.shape)} {out.dtype}")
+    with open(self.path, "rb") as f:
+      f.seek(self._data_start + begin)
+      if f.readinto(memoryview(out.reshape(-1).view(np.uint8))) != out.nbytes:
+        raise UserError(f"{self.path} is truncated (tensor {name})")
+    return out
+
+
 def _weight_files(path: str, single: str, suffix: str) -> list[str]:
   """The weight files of one format: those of its index, else the single file, else every model*<suffix>.
 
@@ -59,10 +102,7 @@ class HFCheckpoint:
     if name not in self._handles:
       file = os.path.join(self.path, name)
       if self.format == "safetensors":
-        from safetensors import safe_open  # pylint: disable=import-outside-toplevel
-
-        # "flax" gives bfloat16 too (numpy has none); each get_tensor reads only that tensor.
-        self._handles[name] = safe_open(file, framework="flax")
+        self._handles[name] = SafetensorsFile(file)
       else:
         try:
           import torch  # pylint: disable=import-outside-toplevel
@@ -80,19 +120,19 @@ class HFCheckpoint:
   def shape(self, name: str) -> tuple:
     handle = self._open(self._where[name])
     if self.format == "safetensors":
-      return tuple(handle.get_slice(name).get_shape())
+      return handle.shape(name)
     return tuple(handle[name].shape)
 
   def dtype(self, name: str) -> np.dtype:
     handle = self._open(self._where[name])
     if self.format == "safetensors":
-      return _np_dtype(_SAFETENSORS_DTYPES[handle.get_slice(name).get_dtype()])
+      return handle.dtype(name)
     return _np_dtype(str(handle[name].dtype).removeprefix("torch."))
 
   def get(self, name: str) -> np.ndarray:
     handle = self._open(self._where[name])
     if self.format == "safetensors":
-      return np.asarray(handle.get_tensor(name))
+      return handle.get(name)
     import torch  # pylint: disable=import-outside-toplevel
 
     tensor = handle[name]

@@ -29,12 +29,17 @@ _UNSUPPORTED = ("attention_bias", "mlp_bias")
 
 
 def config_to_maxtext(hf: dict, where: str) -> dict:
+  """Llama 2 and 3, and Llama 3.1's RoPE scaling (rope_type llama3)."""
   hf_config.reject_true(hf, _UNSUPPORTED, where)
-  return hf_config.decoder_keys(hf, where, "llama2")
+  theta, scaling = hf_config.rope(hf, where)
+  keys = hf_config.common_keys(hf, where, "llama2", theta)
+  if scaling:
+    keys.update(hf_config.llama3_rope_keys(scaling, where))
+  return keys
 
 
 def config_to_hf(cfg) -> dict:
-  return hf_config.decoder_config(cfg, "llama", "LlamaForCausalLM")
+  return dict(hf_config.decoder_config(cfg, "llama", "LlamaForCausalLM"), rope_scaling=hf_config.llama3_rope_config(cfg))
 
 
 FAMILY = Family(

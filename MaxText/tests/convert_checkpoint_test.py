@@ -28,9 +28,23 @@ TINY = {
   "vocab_size": 256,
 }
 # family -> (model_type, config.json keys over TINY). Sliding windows are 16, so the 64-token check covers 4 windows.
+LLAMA31_ROPE = {
+  "rope_type": "llama3",
+  "rope_theta": 500000.0,
+  "factor": 8.0,
+  "low_freq_factor": 1.0,
+  "high_freq_factor": 4.0,
+  "original_max_position_embeddings": 16,  # wavelengths of 4..16 tokens are smoothed, longer ones divided by 8
+}
 FAMILIES = {
   "llama": ("llama", {}),
   "llama-tied": ("llama", {"tie_word_embeddings": True}),
+  "llama3.1": ("llama", {"rope_parameters": LLAMA31_ROPE}),
+  "mistral": ("mistral", {"sliding_window": 16}),
+  "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16}),
+  "gemma": ("gemma", {}),
+  "gemma2": ("gemma2", {"sliding_window": 16}),  # query_pre_attn_scalar 256, soft caps 50 and 30 (defaults)
+  "qwen3": ("qwen3", {}),
 }
 PARITY = {}  # family -> (max_abs_diff, kl), printed at the end of the module
 
@@ -103,7 +117,7 @@ def test_logits_match_transformers(converted, family):
   assert max_abs < TOLERANCE, f"{family}: max |logits diff| {max_abs:.3g} (KL {kl:.3g})"
 
 
-@pytest.mark.parametrize("family", ["llama", "llama-tied"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_round_trips_are_bitwise(converted, family, tmp_path):
   hf_dir, maxtext_dir = converted(family)
   hf_out = converter.to_hf(maxtext_dir, str(tmp_path / "hf_out"))
@@ -244,3 +258,50 @@ def test_errors_name_the_problem_in_one_line(converted, tmp_path):
   _, maxtext_dir = converted("llama")
   with pytest.raises(checkpointing.UserError, match="already exists and is not empty"):
     converter.to_maxtext(hf_dir, maxtext_dir)
+
+
+def test_config_json_old_and_new_rope_forms():
+  """transformers 5's rope_parameters and the older rope_theta + rope_scaling give the same MaxText keys."""
+  from MaxText.hf_conversion import llama  # pylint: disable=import-outside-toplevel
+
+  base = {"model_type": "llama", "hidden_act": "silu", "rms_norm_eps": 1e-5, **TINY}
+  new = dict(base, rope_parameters=LLAMA31_ROPE)
+  old_scaling = {k: v for k, v in LLAMA31_ROPE.items() if k != "rope_theta"}
+  old = dict(base, rope_theta=LLAMA31_ROPE["rope_theta"], rope_scaling=old_scaling)
+  keys = llama.config_to_maxtext(new, "new/config.json")
+  assert keys == llama.config_to_maxtext(old, "old/config.json")
+  assert keys["rope_max_timescale"] == 500000 and keys["rope_scaling_factor"] == 8
+  unsupported = dict(base, rope_scaling={"rope_type": "yarn", "factor": 4.0})
+  with pytest.raises(checkpointing.UserError, match="rope type 'yarn' is not supported"):
+    llama.config_to_maxtext(unsupported, "yarn/config.json")
+
+
+@pytest.mark.slow
+def test_readme_recipe_convert_train_convert_back(tmp_path):
+  """The README's fine-tuning recipe as a user runs it: convert, train 2 steps from model.yml, convert the run back."""
+  hf_dir = build_hf_model(str(tmp_path / "hf"), "llama")
+  out = str(tmp_path / "out")
+  result = _cli("to_maxtext", "--hf_path", hf_dir, "--output_dir", out, "--check_logits")
+  assert result.returncode == 0, result.stderr
+  assert "logit check: max_abs_diff=" in result.stdout
+  train = run_python(
+    [
+      "MaxText/train.py",
+      os.path.join(out, "model.yml"),
+      "run_name=ft",
+      f"base_output_directory={tmp_path / 'runs'}",
+      f"load_parameters_path={os.path.join(out, 'params')}",
+      "dataset_type=synthetic",
+      "steps=2",
+      "per_device_batch_size=1",
+      "max_target_length=32",
+      "enable_tensorboard=false",
+      "async_checkpointing=false",
+    ]
+  )
+  assert train.returncode == 0, train.stderr[-3000:]
+  hf_out = str(tmp_path / "hf_ft")
+  back = _cli("to_hf", "--maxtext_dir", str(tmp_path / "runs" / "ft"), "--output_dir", hf_out)
+  assert back.returncode == 0, back.stderr
+  tokens = logit_check.random_tokens(TINY["vocab_size"])
+  assert np.all(np.isfinite(logit_check.hf_logits(hf_out, tokens)))
