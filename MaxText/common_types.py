@@ -3,7 +3,7 @@
 Each implementing module has a test asserting that its table covers exactly these names.
 """
 
-DECODER_BLOCKS = ("default", "llama2", "mistral", "gemma", "gemma2", "gpt3", "qwen3")
+DECODER_BLOCKS = ("default", "llama2", "mistral", "mixtral", "gemma", "gemma2", "gpt3", "qwen3")
 # Decoder layers in one scanned block, where not 1 (Gemma 2 scans (local, global) pairs).
 DECODER_LAYERS_PER_BLOCK = {"gemma2": 2}
 ATTENTION_KERNELS = ("autoselected", "dot_product", "flash")

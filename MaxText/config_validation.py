@@ -30,6 +30,8 @@ _POSITIVE_INTS = (
   "rope_min_timescale",
   "rope_max_timescale",
   "stack_trace_interval_seconds",
+  "num_experts",
+  "num_experts_per_tok",
 )
 
 # key -> (low, high, low_inclusive, high_inclusive)
@@ -50,6 +52,7 @@ _RANGES = {
   "attn_logits_soft_cap": (0.0, math.inf, True, True),
   "final_logits_soft_cap": (0.0, math.inf, True, True),
   "rope_scaling_factor": (0.0, math.inf, True, True),
+  "load_balance_loss_weight": (0.0, math.inf, True, True),
 }
 
 
@@ -95,6 +98,12 @@ def _check_numbers(v):
     raise ConfigError(f"param_scan_axis={v['param_scan_axis']} must be 0 or 1")
   if v["reuse_example_batch"] not in (0, 1):
     raise ConfigError(f"reuse_example_batch={v['reuse_example_batch']} must be 0 or 1")
+  if v["num_experts_per_tok"] > v["num_experts"]:
+    raise ConfigError(
+      f"num_experts_per_tok={v['num_experts_per_tok']} must not exceed num_experts={v['num_experts']} (top-k routing)"
+    )
+  if math.isnan(v["capacity_factor"]):
+    raise ConfigError("capacity_factor=nan must be a number (<= 0: dropless; > 0: tokens per expert x that factor)")
   if v["rope_min_timescale"] > v["rope_max_timescale"]:
     raise ConfigError(
       f"rope_min_timescale={v['rope_min_timescale']} must not exceed rope_max_timescale={v['rope_max_timescale']}"

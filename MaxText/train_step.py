@@ -12,22 +12,33 @@ import optax
 
 from MaxText import max_logging, memory_check, sharding
 from MaxText.input_pipeline.packing import BATCH_KEYS
+from MaxText.layers import moe
 from MaxText.optimizers import create_learning_rate_schedule
 
 
 def _loss_terms(model, config, params, batch, dropout_rng, train: bool):
-  """Summed token cross-entropy and the number of real (non-padding) target tokens."""
-  logits = model.apply(
+  """The summed loss to differentiate, and (real target tokens, the load-balancing part of that loss).
+
+  The loss is the summed token cross-entropy plus, in training, load_balance_loss_weight x the MoE
+  load-balancing loss x the real tokens: dividing the sums by all tokens, as for the cross-entropy, then
+  averages it over microbatches. Eval (train=False) is cross-entropy only.
+  """
+  logits, sown = model.apply(
     {"params": params},
     batch["inputs"],
     batch["inputs_position"],
     batch["inputs_segmentation"],
     enable_dropout=train and config.enable_dropout,
     rngs={"dropout": dropout_rng},
+    mutable=["intermediates"],
   )  # (B, T, V) float32
   xent = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])  # (B, T)
   weights = (batch["targets_segmentation"] != 0).astype(jnp.float32)
-  return jnp.sum(xent * weights), jnp.sum(weights)
+  total_weights = jnp.sum(weights)
+  moe_lb = jnp.zeros((), jnp.float32)
+  if train:
+    moe_lb = config.load_balance_loss_weight * moe.load_balancing_loss(sown, config.num_experts) * total_weights
+  return jnp.sum(xent * weights) + moe_lb, (total_weights, moe_lb)
 
 
 def _rows_to_train_on(config, batch):
@@ -47,30 +58,30 @@ def _summed_grads(model, config, params, batch, dropout_rng):
   grad_fn = jax.value_and_grad(_loss_terms, argnums=2, has_aux=True)
   steps = config.gradient_accumulation_steps
   if steps == 1:
-    (total_loss, total_weights), grads = grad_fn(model, config, params, batch, dropout_rng, True)
-    return total_loss, total_weights, grads
+    (total_loss, aux), grads = grad_fn(model, config, params, batch, dropout_rng, True)
+    return total_loss, aux, grads
 
   def to_microbatches(x):  # (B, T) -> (G, B/G, T)
     return jnp.swapaxes(x.reshape(x.shape[0] // steps, steps, *x.shape[1:]), 0, 1)
 
   def accumulate(carry, microbatch_and_index):
     microbatch, index = microbatch_and_index
-    (loss, weights), grads = grad_fn(model, config, params, microbatch, jax.random.fold_in(dropout_rng, index), True)
-    acc_loss, acc_weights, acc_grads = carry
-    return (acc_loss + loss, acc_weights + weights, jax.tree.map(jnp.add, acc_grads, grads)), None
+    (loss, aux), grads = grad_fn(model, config, params, microbatch, jax.random.fold_in(dropout_rng, index), True)
+    acc_loss, acc_aux, acc_grads = carry
+    return (acc_loss + loss, jax.tree.map(jnp.add, acc_aux, aux), jax.tree.map(jnp.add, acc_grads, grads)), None
 
   zero = jnp.zeros((), jnp.float32)
-  init = (zero, zero, jax.tree.map(jnp.zeros_like, params))
+  init = (zero, (zero, zero), jax.tree.map(jnp.zeros_like, params))
   microbatches = jax.tree.map(to_microbatches, batch)
-  (total_loss, total_weights, grads), _ = jax.lax.scan(accumulate, init, (microbatches, jnp.arange(steps)))
-  return total_loss, total_weights, grads
+  (total_loss, aux, grads), _ = jax.lax.scan(accumulate, init, (microbatches, jnp.arange(steps)))
+  return total_loss, aux, grads
 
 
 def train_step(model, config, state, batch):
   """One optimizer update. Returns (new_state, metrics) with scalar metrics for logging."""
   batch = _rows_to_train_on(config, batch)
   dropout_rng = jax.random.fold_in(jax.random.PRNGKey(config.init_weights_seed), state.step)
-  total_loss, total_weights, summed_grads = _summed_grads(model, config, state.params, batch, dropout_rng)
+  total_loss, (total_weights, moe_lb), summed_grads = _summed_grads(model, config, state.params, batch, dropout_rng)
   denominator = jnp.maximum(total_weights, 1.0)  # An all-padding batch gives zero loss and no update.
   grads = jax.tree.map(lambda g: g / denominator, summed_grads)
   # A batch of padding only (the data ran out on every process) must not move the weights (momentum,
@@ -89,12 +100,14 @@ def train_step(model, config, state, batch):
     "learning/update_norm": optax.global_norm(jax.tree.map(jnp.subtract, new_state.params, state.params)),
     "learning/current_learning_rate": create_learning_rate_schedule(config)(state.step),
   }
+  if config.num_experts > 1:  # learning/loss includes this term (what is minimised), as upstream MaxText's
+    metrics["learning/moe_lb_loss"] = moe_lb / denominator
   return new_state, metrics
 
 
 def eval_step(model, config, params, batch):
   """Summed loss and weights of one eval batch (no dropout, no update)."""
-  total_loss, total_weights = _loss_terms(model, config, params, batch, jax.random.PRNGKey(0), False)
+  total_loss, (total_weights, _) = _loss_terms(model, config, params, batch, jax.random.PRNGKey(0), False)
   return {"evaluation/total_loss": total_loss, "evaluation/total_weights": total_weights}
 
 

@@ -9,6 +9,7 @@ import flax.linen as nn
 from MaxText.layers.attentions import Attention
 from MaxText.layers.embeddings import Llama3RopeScaling
 from MaxText.layers.linears import MlpBlock
+from MaxText.layers.moe import MoeBlock
 from MaxText.layers.normalizations import LayerNorm, RMSNorm
 
 
@@ -75,6 +76,20 @@ def mlp(config, name: str = "mlp", use_bias: bool = False) -> MlpBlock:
     weight_dtype=config.weight_dtype,
     use_bias=use_bias,
     fused=config.fused_mlp,
+    name=name,
+  )
+
+
+def moe(config, name: str = "MoeBlock_0") -> MoeBlock:
+  """The mixture of experts that replaces the MLP (named as upstream MaxText's Mixtral checkpoints)."""
+  return MoeBlock(
+    num_experts=config.num_experts,
+    num_experts_per_tok=config.num_experts_per_tok,
+    intermediate_dim=config.mlp_dim,
+    activations=tuple(config.mlp_activations),
+    capacity_factor=config.capacity_factor,
+    dtype=config.dtype,
+    weight_dtype=config.weight_dtype,
     name=name,
   )
 

@@ -15,6 +15,7 @@ from MaxText.layers.embeddings import Embed
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.llama2 import LlamaDecoderLayer
 from MaxText.layers.mistral import MistralDecoderLayer
+from MaxText.layers.mixtral import MixtralDecoderLayer
 from MaxText.layers.qwen3 import Qwen3DecoderLayer
 
 # decoder_block -> the family's layer and what the stack does around it (final norm, embedding scale).
@@ -22,6 +23,7 @@ DECODER_BLOCKS = {
   "default": DecoderFamily(DecoderLayer),
   "llama2": DecoderFamily(LlamaDecoderLayer),
   "mistral": DecoderFamily(MistralDecoderLayer),
+  "mixtral": DecoderFamily(MixtralDecoderLayer),
   "gemma": gemma.FAMILY,
   "gemma2": gemma2.FAMILY,
   "gpt3": gpt3.FAMILY,
@@ -102,7 +104,8 @@ class Decoder(nn.Module):
     if cfg.scan_layers:
       stack = nn.scan(
         block,
-        variable_axes={"params": cfg.param_scan_axis},
+        # Sown statistics (e.g. MoE routing, for the load-balancing loss) stack over layers on axis 0.
+        variable_axes={"params": cfg.param_scan_axis, "intermediates": 0},
         split_rngs={"params": True, "dropout": True},
         in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
         length=num_blocks(cfg),

@@ -32,7 +32,7 @@ def _loss_and_grads(config, params, batch):
   model = train_state.create_model(config)
 
   def loss(p):
-    total, weights = train_step._loss_terms(model, config, p, batch, jax.random.PRNGKey(0), True)  # pylint: disable=protected-access
+    total, (weights, _) = train_step._loss_terms(model, config, p, batch, jax.random.PRNGKey(0), True)  # pylint: disable=protected-access
     return total / weights
 
   return jax.jit(jax.value_and_grad(loss))(params)
