@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import layer_stacking, mesh, sharding, train_state, train_step
-from MaxText.layers import moe
+from MaxText import layer_stacking, mesh, pyconfig, sharding, train_state, train_step
+from MaxText.layers import models, moe
 from MaxText.tests.helpers import BASE_YML, run_python, run_train, tiny_args, tiny_config
 
 E, K, D, M = 4, 2, 8, 16  # experts, experts per token, embed, mlp
@@ -163,6 +163,18 @@ def test_the_loss_adds_the_load_balancing_term_in_every_layer_layout():
   assert 0.01 * 1.0 < lb_weighted < 0.01 * E
   for value in results.values():
     np.testing.assert_allclose(value, results[(False, "none")], rtol=1e-5)
+
+
+@pytest.mark.parametrize("name, published", [("mixtral-8x7b", 46.7e9), ("mixtral-8x22b", 141e9)])
+def test_preset_parameter_count_matches_the_published_count(name, published):
+  """Counted from jax.eval_shape (nothing allocated); within 1% of Mistral AI's published totals."""
+  config = pyconfig.initialize(
+    ["test", BASE_YML, "run_name=test", f"model_name={name}", "per_device_batch_size=1", "max_target_length=8"], environ={}
+  )
+  tokens = jnp.ones((1, 8), jnp.int32)
+  shapes = jax.eval_shape(models.Transformer(config).init, jax.random.PRNGKey(0), tokens, tokens)["params"]
+  count = sum(x.size for x in jax.tree.leaves(nn.unbox(shapes)))
+  assert abs(count - published) / published < 0.01, (name, count)
 
 
 # Trains in a fresh process (the device count is fixed at JAX start-up); reports every parameter's
