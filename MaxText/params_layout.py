@@ -53,12 +53,13 @@ def in_layout(abstract_params: dict, scanned: bool, num_blocks: int, scan_axis: 
 
 def saved_layout(saved_params, abstract_params: dict, scan_axis: int) -> dict:
   """The run's abstract params in the layout of a checkpoint (its metadata tree `saved_params`)."""
-  scanned = is_scanned(saved_params)
-  if scanned:
-    blocks = _num_blocks(abstract_params["decoder"])
+  # The run's block count: a checkpoint with other layers then fails check_checkpoint_fits, naming them.
+  if is_scanned(abstract_params):
+    stacked = jax.tree.leaves(abstract_params["decoder"]["layers"])[0]
+    blocks = stacked.shape[min(scan_axis, stacked.ndim - 1)]
   else:
-    blocks = _num_blocks(saved_params.get("decoder", {}))
-  return in_layout(abstract_params, scanned, blocks, scan_axis)
+    blocks = _num_blocks(abstract_params["decoder"])
+  return in_layout(abstract_params, is_scanned(saved_params), blocks, scan_axis)
 
 
 def to_run_layout(params: dict, abstract_params: dict, scan_axis: int) -> dict:
