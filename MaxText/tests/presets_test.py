@@ -1,0 +1,76 @@
+"""Every model preset builds, and its parameter count (jax.eval_shape: nothing allocated) matches the published one."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from MaxText import config_loader, pyconfig
+from MaxText.layers import models
+from MaxText.tests.helpers import BASE_YML
+
+# preset -> (published parameter count, source). Counts are those of the released checkpoints (the Hugging Face
+# safetensors totals); presets whose vocabulary is padded (Gemma: 256128 rows vs 256000) stay within 1%.
+# Add a row for each new preset.
+PUBLISHED = {
+  "llama2-7b": (6_738_415_616, "meta-llama/Llama-2-7b-hf"),
+  "llama2-13b": (13_015_864_320, "meta-llama/Llama-2-13b-hf"),
+  "llama2-70b": (68_976_648_192, "meta-llama/Llama-2-70b-hf"),
+  "llama3-8b": (8_030_261_248, "meta-llama/Meta-Llama-3-8B"),
+  "llama3-70b": (70_553_706_496, "meta-llama/Meta-Llama-3-70B"),
+  "llama3.1-8b": (8_030_261_248, "meta-llama/Llama-3.1-8B"),
+  "llama3.1-70b": (70_553_706_496, "meta-llama/Llama-3.1-70B"),
+  "llama3.1-405b": (405_853_388_800, "meta-llama/Llama-3.1-405B"),
+  "mistral-7b": (7_241_732_096, "mistralai/Mistral-7B-v0.1"),
+  "gemma-2b": (2_506_172_416, "google/gemma-2b"),
+  "gemma-7b": (8_537_680_896, "google/gemma-7b"),
+  "gemma2-2b": (2_614_341_888, "google/gemma-2-2b"),
+  "gemma2-9b": (9_241_705_984, "google/gemma-2-9b"),
+  "gemma2-27b": (27_227_128_320, "google/gemma-2-27b"),
+  "gpt3-175b": (175_000_000_000, "Brown et al. 2020, Language Models are Few-Shot Learners, Table 2.1 (175.0B)"),
+  "qwen3-0.6b": (596_049_920, "Qwen/Qwen3-0.6B"),
+  "qwen3-8b": (8_190_735_360, "Qwen/Qwen3-8B"),
+}
+
+
+def _gpt3_count(emb, layers, mlp, vocab, positions):
+  """Upstream's GPT-3-style test sizes have no published checkpoint: the closed form of the architecture.
+
+  Per layer: q/k/v/out kernels 4 E^2 and biases 4 E, MLP 2 E M + M + E, two LayerNorms 4 E.
+  """
+  per_layer = 4 * emb * emb + 4 * emb + 2 * emb * mlp + mlp + emb + 4 * emb
+  return layers * per_layer + (vocab + positions) * emb + 2 * emb
+
+
+# Presets without a published count: (closed-form count, why).
+UNPUBLISHED = {
+  "gpt3-52k": (_gpt3_count(16, 1, 64, 1024, 2048), "upstream MaxText test size"),
+  "gpt3-6b": (_gpt3_count(3072, 48, 12288, 32768, 16384), "upstream MaxText size"),
+  "gpt3-22b": (_gpt3_count(6144, 48, 24576, 32768, 16384), "upstream MaxText size"),
+}
+
+
+def _param_count(model_name: str) -> int:
+  config = pyconfig.initialize(["test", BASE_YML, "run_name=test", f"model_name={model_name}"], environ={})
+  tokens = jnp.zeros((1, 8), jnp.int32)
+  shapes = jax.eval_shape(models.Transformer(config).init, jax.random.PRNGKey(0), tokens, tokens)
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+
+
+def test_every_preset_has_a_count():
+  presets = set(config_loader.list_model_presets(BASE_YML.rsplit("/", 1)[0]))
+  assert presets == set(PUBLISHED) | set(UNPUBLISHED) | {p for p in presets if p.startswith("mixtral")}
+
+
+@pytest.mark.parametrize("model_name", sorted(PUBLISHED))
+def test_parameter_count_matches_the_published_one(model_name):
+  published, source = PUBLISHED[model_name]
+  count = _param_count(model_name)
+  assert count == pytest.approx(published, rel=0.01), f"{model_name}: {count:,} vs {published:,} ({source})"
+
+
+@pytest.mark.parametrize("model_name", sorted(UNPUBLISHED))
+def test_parameter_count_matches_the_closed_form(model_name):
+  expected, _ = UNPUBLISHED[model_name]
+  assert _param_count(model_name) == expected
