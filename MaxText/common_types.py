@@ -15,6 +15,7 @@ REMAT_POLICIES = (
   "save_qkv_proj",
   "save_out_proj",
   "minimal_flash",
+  "minimal_offloaded",
   "none",
 )
 MLP_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_exact", "relu", "tanh", "sigmoid", "linear")
@@ -22,6 +23,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 DATASET_TYPES = ("embedded", "synthetic", "tfds", "grain", "hf")
 OPTIMIZERS = ("adamw",)
 HARDWARE = ("auto", "cpu", "gpu", "gpu_multiprocess", "tpu")
+COMPILE_SEARCHES = ("", "per_device_batch_size", "per_device_batch_size,remat_policy")
 
 # The ici_/dcn_ parallelism keys of each mesh axis (mesh axis "stage" is set by *_pipeline_parallelism).
 MESH_AXIS_KEY = {

@@ -14,6 +14,7 @@ _CHOICES = {
   "dataset_type": common_types.DATASET_TYPES,
   "opt_type": common_types.OPTIMIZERS,
   "hardware": common_types.HARDWARE,
+  "compile_search": common_types.COMPILE_SEARCHES,
 }
 
 _POSITIVE_INTS = (
@@ -66,7 +67,8 @@ def _describe_range(low, high, low_inc, high_inc) -> str:
 def _check_choices(v):
   for key, valid in _CHOICES.items():
     if v[key] not in valid:
-      raise ConfigError(f"{key}={v[key]} is not valid; choose one of: {', '.join(valid)}")
+      names = ", ".join(choice or '"" (none)' for choice in valid)
+      raise ConfigError(f"{key}={v[key]} is not valid; choose one of: {names}")
 
 
 def _check_numbers(v):

@@ -7,6 +7,8 @@ jax.distributed is only initialised when the environment describes a multi-proce
   - A TPU slice with several hosts (TPU_WORKER_HOSTNAMES lists more than one) or a multislice job.
 """
 
+import glob
+import importlib.util
 import os
 
 import jax
@@ -48,6 +50,28 @@ def _cluster_kwargs(hardware: str, environ) -> dict | None:
   ):
     return {}
   return None
+
+
+def _has_tpu_chips() -> bool:
+  return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
+def skip_absent_tpu(hardware: str, environ=None) -> None:
+  """Keeps JAX off the TPU backend on a host without TPU chips where libtpu is installed.
+
+  libtpu is installed on CPU hosts to compile for TPU targets (train_compile.py); JAX would still try to start
+  a TPU there, printing errors and taking libtpu's lock file. Not when the user chose platforms (JAX_PLATFORMS)
+  or hardware, or the host has GPUs.
+  """
+  environ = os.environ if environ is None else environ
+  if environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or hardware not in ("auto", "cpu"):
+    return
+  if importlib.util.find_spec("libtpu") is None or _has_tpu_chips() or glob.glob("/dev/nvidia[0-9]*"):
+    return
+  from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
+
+  if not xla_bridge.backends_are_initialized():
+    jax.config.update("jax_platforms", "cpu")
 
 
 def maybe_initialize_distributed(hardware: str, environ=None) -> None:

@@ -47,6 +47,10 @@ class Config:
     """Where a value came from: a YAML file, a model preset, the command line, the environment or derived."""
     return self._sources.get(key, SOURCE_DERIVED)
 
+  def replace(self, **values) -> "Config":
+    """A copy with some values replaced as they are (nothing is derived again): for variants of one program."""
+    return Config({**self._values, **values}, {**self._sources, **dict.fromkeys(values, SOURCE_DERIVED)})
+
   def to_yaml(self) -> str:
     """The resolved config, each line annotated with the source of its value."""
     lines = []
@@ -242,10 +246,27 @@ def _derive_device_values(values, sources, devices):
   _set(values, sources, "global_batch_size_to_load", micro_load * ga)
 
 
+def _compile_topology_devices(values) -> list:
+  """The devices of the AOT target that compile_topology (x compile_topology_num_slices) names."""
+  from MaxText import aot_targets  # pylint: disable=import-outside-toplevel
+
+  if not values["compile_topology"]:
+    raise ConfigError(
+      "compile_topology is empty: name the target hardware, e.g. compile_topology=v5e-256 (or cpu-8 for this host)"
+    )
+  num_slices = values["compile_topology_num_slices"]
+  if num_slices == 0 or num_slices < -1:
+    raise ConfigError(f"compile_topology_num_slices={num_slices} must be a positive number of slices (-1 means 1)")
+  target = aot_targets.lookup(values["compile_topology"])
+  return aot_targets.devices(target, max(num_slices, 1))
+
+
 _REQUIRED_HINTS = {"run_name": "name the run, e.g. run_name=demo (outputs go to base_output_directory/run_name)"}
 
 
-def initialize(argv: list[str], environ=None, required_keys: tuple[str, ...] = (), devices=None, **kwargs) -> Config:
+def initialize(
+  argv: list[str], environ=None, required_keys: tuple[str, ...] = (), devices=None, for_compile_topology=False, **kwargs
+) -> Config:
   """Loads, validates and derives the config.
 
   Args:
@@ -253,6 +274,7 @@ def initialize(argv: list[str], environ=None, required_keys: tuple[str, ...] = (
     environ: environment for M_<KEY> overrides and cluster detection (default os.environ).
     required_keys: keys that must not be empty for this entry point (e.g. run_name for training).
     devices: the devices the config is for (e.g. those of an AOT topology); default jax.devices().
+    for_compile_topology: the config is for the devices of compile_topology (train_compile.py), not the local ones.
     **kwargs: typed overrides that win over the command line (for tests).
   """
   environ = os.environ if environ is None else environ
@@ -268,7 +290,10 @@ def initialize(argv: list[str], environ=None, required_keys: tuple[str, ...] = (
 
   from MaxText import jax_runtime  # pylint: disable=import-outside-toplevel
 
+  if for_compile_topology:
+    devices = _compile_topology_devices(values)
   if devices is None:  # given devices (an AOT topology, a test) need no cluster
+    jax_runtime.skip_absent_tpu(values["hardware"], environ)
     jax_runtime.maybe_initialize_distributed(values["hardware"], environ)
     devices = jax.devices()
   _derive_device_values(values, sources, devices)

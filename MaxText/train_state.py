@@ -32,8 +32,9 @@ def get_abstract_state(model, tx, config, mesh):
     and the matching TrainState of NamedShardings.
   """
   init = functools.partial(_init_boxed_state, model, tx, config)
+  rng = jax.random.PRNGKey(0)  # outside the mesh: an AOT target's devices cannot hold arrays
   with sharding.logical_context(mesh, config):
-    boxed = jax.eval_shape(init, jax.random.PRNGKey(0))
+    boxed = jax.eval_shape(init, rng)
   shardings = sharding.logical_to_shardings(boxed, mesh, config)
   sharding.check_divisible(nn.unbox(boxed).params, shardings.params, "parameter")
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nn.unbox(boxed), shardings)
@@ -59,7 +60,9 @@ class TrainSetup(NamedTuple):
   state_shardings: train_state.TrainState  # of NamedSharding
 
 
-def build(config, mesh, params_only: bool = False, memory_limit_bytes: int | None = None) -> TrainSetup:
+def build(
+  config, mesh, params_only: bool = False, memory_limit_bytes: int | None = None, check_memory: bool = True
+) -> TrainSetup:
   """The model, the optimizer (with its learning-rate schedule) and the abstract, sharded train state.
 
   Checks, before anything is allocated, that what the caller will allocate fits a device.
@@ -70,11 +73,13 @@ def build(config, mesh, params_only: bool = False, memory_limit_bytes: int | Non
     params_only: the caller allocates only the params (decoding, checkpoint conversion), so only they must fit,
       not the optimizer state that training adds (Adam keeps two more copies).
     memory_limit_bytes: one device's memory to check against; default: what a local device has.
+    check_memory: False leaves the verdict to the caller (train_compile.py reports on the compiled step instead).
   """
   model = create_model(config)
   tx = optimizers.create_optimizer(config, optimizers.create_learning_rate_schedule(config))
   abstract_state, state_shardings = get_abstract_state(model, tx, config, mesh)
-  check_state_fits(abstract_state, params_only, memory_limit_bytes)
+  if check_memory:
+    check_state_fits(abstract_state, params_only, memory_limit_bytes)
   return TrainSetup(model, tx, abstract_state, state_shardings)
 
 

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from MaxText import max_logging, memory_check, sharding
+from MaxText import compiled_step_file, max_logging, memory_check, sharding
 from MaxText.input_pipeline.packing import BATCH_KEYS
 from MaxText.layers import moe
 from MaxText.optimizers import create_learning_rate_schedule
@@ -131,6 +131,21 @@ def abstract_batch(config, mesh) -> dict:
   return {key: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=data_sharding) for key in BATCH_KEYS}
 
 
+def lower_train_step(model, config, mesh, abstract_state):
+  """The jitted train step traced on shapes only (for train.py's pre-flight and train_compile.py's AOT compile).
+
+  Args:
+    model, config, mesh: as compile_train_step.
+    abstract_state: the TrainState of sharded jax.ShapeDtypeStructs; its shardings are the step's.
+
+  Returns:
+    A jax.stages.Lowered; `.compile()` compiles it for the mesh's devices (local, or an AOT target's).
+  """
+  state_shardings = jax.tree.map(lambda x: x.sharding, abstract_state)
+  with sharding.logical_context(mesh, config):
+    return jit_train_step(model, config, mesh, state_shardings).lower(abstract_state, abstract_batch(config, mesh))
+
+
 def compile_train_step(model, config, mesh, abstract_state, memory_limit_bytes: int | None = None):
   """The train step compiled ahead of time, after checking that one step fits a device's memory.
 
@@ -150,10 +165,7 @@ def compile_train_step(model, config, mesh, abstract_state, memory_limit_bytes: 
   Raises:
     UserError: a step needs more memory per device than a device has; the message names the keys that help.
   """
-  state_shardings = jax.tree.map(lambda x: x.sharding, abstract_state)
-  with sharding.logical_context(mesh, config):
-    lowered = jit_train_step(model, config, mesh, state_shardings).lower(abstract_state, abstract_batch(config, mesh))
-  compiled = lowered.compile()
+  compiled = lower_train_step(model, config, mesh, abstract_state).compile()
   memory = memory_check.CompiledMemory.from_analysis(compiled.memory_analysis())
   if memory is not None:
     device = jax.local_devices()[0]
@@ -170,6 +182,21 @@ def compile_train_step(model, config, mesh, abstract_state, memory_limit_bytes: 
     max_logging.log(
       f"One train step needs {memory_check.format_bytes(memory.peak_bytes)} per device{of_limit} ({memory.breakdown()})"
     )
+  return compiled
+
+
+def load_compiled_train_step(model, config, mesh, abstract_state):
+  """The step that train_compile.py compiled into config.compiled_trainstep_file, instead of compiling it here.
+
+  Raises:
+    UserError: the file is missing, or was compiled for other shapes, config values or devices (named).
+  """
+  step = functools.partial(train_step, model, config)
+  with sharding.logical_context(mesh, config):
+    compiled = compiled_step_file.load(
+      config.compiled_trainstep_file, config, jax.devices(), step, abstract_state, abstract_batch(config, mesh)
+    )
+  max_logging.log(f"Loaded the compiled train step from {config.compiled_trainstep_file}")
   return compiled
 
 

@@ -41,6 +41,8 @@ REMAT_POLICIES = {
   "save_qkv_proj": _cp.save_only_these_names(*_QKV),
   "save_out_proj": _cp.save_only_these_names("out_proj"),
   "minimal_flash": _cp.save_from_both_policies(_cp.checkpoint_dots_with_no_batch_dims, _cp.save_only_these_names("context")),
+  # "minimal", with what it keeps moved to host memory until the backward pass needs it (TPU, GPU).
+  "minimal_offloaded": _cp.offload_dot_with_no_batch_dims(offload_src="device", offload_dst="pinned_host"),
   "none": None,
 }
 
