@@ -115,7 +115,10 @@ def dropless(x, weights, experts, wi, wo, activations):
   local = functools.partial(_dropless_local, activations=activations)
   if mesh.empty:
     return local(x, weights, experts, wi, wo, psum_axes=())
-  batch_spec, length_spec, mlp_spec = nn.logical_to_mesh_axes(("activation_batch", "activation_length", "mlp"))
+  # One name at a time: resolved together, flax would drop "mlp" for sharing fsdp_transpose with the batch.
+  batch_spec, length_spec, mlp_spec = (
+    nn.logical_to_mesh_axes((name,))[0] for name in ("activation_batch", "activation_length", "mlp")
+  )
   shape = dict(mesh.shape)
   batch_axes = _dividing_axes(_as_tuple(batch_spec), x.shape[0], shape)
   length_axes = _dividing_axes([a for a in _as_tuple(length_spec) if a not in batch_axes], x.shape[1], shape)
