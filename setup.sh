@@ -43,4 +43,10 @@ else
 fi
 
 "${PIP[@]}" -r requirements.txt
-"$PYTHON" -c "import jax, flax, optax, orbax.checkpoint, grain, sentencepiece; print('setup.sh: ok, jax', jax.__version__, 'backend', jax.default_backend())"
+CHECK_ENV=()
+if [[ "$DEVICE" == tpu ]] && ! compgen -G "/dev/accel*" >/dev/null && ! compgen -G "/dev/vfio/[0-9]*" >/dev/null; then
+  # libtpu on a host without TPU chips: for train_compile.py's TPU targets; MaxText keeps JAX on the CPU here.
+  echo "setup.sh: no TPU chips on this host: libtpu is installed to compile for TPU targets (MaxText/train_compile.py)"
+  CHECK_ENV=(JAX_PLATFORMS=cpu)
+fi
+env "${CHECK_ENV[@]}" "$PYTHON" -c "import jax, flax, optax, orbax.checkpoint, grain, sentencepiece; print('setup.sh: ok, jax', jax.__version__, 'backend', jax.default_backend())"

@@ -187,3 +187,32 @@ def test_compile_save_load_train_gives_the_plain_jit_losses(tmp_path):
   last_line = other.stderr.strip().splitlines()[-1]
   assert last_line.startswith(f"Error: compiled_trainstep_file={compiled_file} was compiled for another run: ")
   assert "was compiled for another run: per_device_batch_size=4.0 here but 2.0 in the file;" in last_line
+
+
+def test_fractional_batch_with_sequence_parallelism_compiles():
+  """Long context: fewer rows than devices, each row's length sharded over the sequence axis."""
+  config = aot_config(
+    "compile_topology=v5e-16", "ici_sequence_parallelism=4", "per_device_batch_size=0.25", "max_target_length=256"
+  )
+  assert (config.global_batch_size_to_train_on, dict(zip(config.mesh_axes, config.ici_parallelism))["sequence"]) == (4, 4)
+  _check_fits(aot_compile.compile_for_target(config))
+
+
+@pytest.mark.slow
+def test_search_finds_the_largest_batch_that_fits():
+  args = tiny_args(*TINY_AOT, "compile_topology=v5e-1", "compile_search=per_device_batch_size", "remat_policy=none")
+  args += ["base_emb_dim=256", "vocab_size=32768", "max_target_length=2048"]  # float32 logits: 256 MiB a row
+  result = run_python([TRAIN_COMPILE_PY, "MaxText/configs/base.yml", *args])
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  rows = [line.split() for line in result.stdout.splitlines() if line.startswith("  none ")]
+  fits = {float(row[1]): row[4] == "fits" for row in rows}
+  best = max(size for size, ok in fits.items() if ok)
+  assert fits.get(best + 1) is False, rows  # the next size up was compiled and does not fit
+  assert f"remat_policy=none: largest per_device_batch_size that fits: {best:g}" in result.stdout
+
+
+def test_cpu_runs_stay_off_libtpu_on_a_host_without_tpus(tmp_path):
+  """libtpu is installed here (for the targets above); a plain train.py must neither start a TPU nor log its errors."""
+  result, metrics = run_train(tmp_path, "cpu", "steps=1", "enable_checkpointing=false", env={"JAX_PLATFORMS": ""})
+  assert result.returncode == 0 and len(metrics) == 1, result.stderr[-2000:]
+  assert "TPU" not in result.stderr and "libtpu" not in result.stderr, result.stderr[-2000:]
