@@ -1,7 +1,8 @@
 """Analytic training FLOPs per device and step, and model FLOPs utilisation (MFU) against peak tables.
 
 Counting (multiply-add = 2 FLOPs; x3 for forward + backward):
-  per layer:  FFN  2*B*T*E*M*(A+1)         (A input projections of the gated MLP, one output)
+  per layer:  FFN  2*B*T*E*M*(A+1)         (A input projections of the gated MLP, one output; with experts:
+                                            x num_experts_per_tok, plus the router 2*B*T*E*num_experts)
               QKV  2*B*T*E*(Nq + 2*Nkv)*D
               OUT  2*B*T*Nq*D*E
               ATTN causal: 2*B*T^2*Nq*D    (q.k^T and probs.v, 2*2*B*T^2*Nq*D, halved because a causal
@@ -83,6 +84,8 @@ def training_tflops_per_device(config, causal_attention: bool = True) -> StepFlo
   emb, mlp, head_dim = config.emb_dim, config.mlp_dim, config.head_dim
   num_q, num_kv = config.num_query_heads, config.num_kv_heads
   ffn = 2 * tokens * emb * mlp * (len(config.mlp_activations) + 1)
+  if config.num_experts > 1:  # each token runs num_experts_per_tok experts, after the router's projection
+    ffn = ffn * config.num_experts_per_tok + 2 * tokens * emb * config.num_experts
   qkv = 2 * tokens * emb * (num_q + 2 * num_kv) * head_dim
   out = 2 * tokens * num_q * head_dim * emb
   attention = 4 * tokens * config.max_target_length * num_q * head_dim

@@ -85,3 +85,11 @@ def test_mfu_is_achieved_over_peak():
   assert flops.mfu(v5e_peak / 4, "TPU v5 lite") == pytest.approx(0.25)
   # The same throughput is a smaller fraction of a v5p (reported as "TPU v5"), whose peak is higher.
   assert flops.mfu(v5e_peak / 4, "TPU v5") == pytest.approx(v5e_peak / 4 / flops.PEAK_BF16_TFLOPS["v5p"])
+
+
+def test_mixture_of_experts_counts_the_experts_each_token_runs():
+  """Mixtral 8x7B runs 12.9B of its 46.7B parameters per token (published); the input embedding is a lookup."""
+  config = _config("model_name=mixtral-8x7b", "per_device_batch_size=1", "max_target_length=2048")
+  active_matmul_params = 12.9e9 - config.vocab_size * config.emb_dim
+  expected = 6 * active_matmul_params * 2048 / 1e12  # 2 FLOPs per multiply-add, x3 for forward and backward
+  assert flops.training_tflops_per_device(config).learnable_tflops == pytest.approx(expected, rel=0.01)
