@@ -317,13 +317,14 @@ def restore_latest(manager, abstract_state):
   return None
 
 
-def load_params(path: str, abstract_params, scan_axis: int = 1):
+def load_params(path: str, abstract_params, scan_axis: int = 1, key: str = "load_parameters_path"):
   """Params from an Orbax PyTree holding {"params": ...} (a training checkpoint's items, or params-only).
 
   The checkpoint's layers may be scanned (`layers`) or per-layer (`layers_i`) whatever the layout of
   `abstract_params` (params_layout restacks them on the devices); scan_axis is the run's param_scan_axis.
+  `key` is the config key that named the path (for error messages).
   """
-  tree = _tree_metadata(path, "load_parameters_path")
+  tree = _tree_metadata(path, key)
   saved_layout = params_layout.saved_layout(tree["params"], abstract_params, scan_axis)
   check_checkpoint_fits(tree["params"], saved_layout, path)
   target = {"params": saved_layout}

@@ -23,6 +23,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 DATASET_TYPES = ("embedded", "synthetic", "tfds", "grain", "hf")
 OPTIMIZERS = ("adamw",)
 HARDWARE = ("auto", "cpu", "gpu", "gpu_multiprocess", "tpu")
+DECODE_SAMPLING_STRATEGIES = ("greedy", "weighted", "nucleus", "topk")
 COMPILE_SEARCHES = ("", "per_device_batch_size", "per_device_batch_size,remat_policy")
 
 # The ici_/dcn_ parallelism keys of each mesh axis (mesh axis "stage" is set by *_pipeline_parallelism).

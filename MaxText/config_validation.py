@@ -15,6 +15,7 @@ _CHOICES = {
   "opt_type": common_types.OPTIMIZERS,
   "hardware": common_types.HARDWARE,
   "compile_search": common_types.COMPILE_SEARCHES,
+  "decode_sampling_strategy": common_types.DECODE_SAMPLING_STRATEGIES,
 }
 
 _POSITIVE_INTS = (
@@ -33,6 +34,7 @@ _POSITIVE_INTS = (
   "stack_trace_interval_seconds",
   "num_experts",
   "num_experts_per_tok",
+  "max_prefill_predict_length",
 )
 
 # key -> (low, high, low_inclusive, high_inclusive)
@@ -54,6 +56,7 @@ _RANGES = {
   "final_logits_soft_cap": (0.0, math.inf, True, True),
   "rope_scaling_factor": (0.0, math.inf, True, True),
   "load_balance_loss_weight": (0.0, math.inf, True, True),
+  "decode_sampling_temperature": (0.0, math.inf, False, True),
 }
 
 
@@ -250,6 +253,19 @@ def _check_checkpointing(v):
     raise ConfigError(f"max_num_checkpoints_to_keep={keep} must be null (keep all) or a positive integer")
 
 
+def _check_decoding(v):
+  strategy = v["decode_sampling_strategy"]
+  if strategy == "nucleus" and not 0 < v["decode_sampling_nucleus_p"] <= 1:
+    raise ConfigError(
+      f"decode_sampling_nucleus_p={v['decode_sampling_nucleus_p']} must be in (0, 1] for decode_sampling_strategy=nucleus"
+    )
+  if strategy == "topk" and not 1 <= v["decode_sampling_top_k"] <= v["vocab_size"]:
+    raise ConfigError(
+      f"decode_sampling_top_k={v['decode_sampling_top_k']} must be in [1, vocab_size={v['vocab_size']}] for "
+      "decode_sampling_strategy=topk"
+    )
+
+
 def validate_static(values: dict) -> None:
   """Raises ConfigError for the first invalid value. Needs no devices and no JAX."""
   _check_choices(values)
@@ -260,3 +276,4 @@ def validate_static(values: dict) -> None:
   _check_paths(values)
   _check_checkpointing(values)
   _check_data(values)
+  _check_decoding(values)

@@ -39,6 +39,11 @@ class SentencePieceTokenizer:
   def decode(self, ids) -> str:
     return self._sp.DecodeIds([int(i) for i in ids])
 
+  def token_id(self, token: str) -> int | None:
+    """The id of a piece (e.g. a special token), or None if the model has no such piece."""
+    piece_id = self._sp.PieceToId(token)
+    return piece_id if piece_id != self._sp.unk_id() or token == self._sp.IdToPiece(piece_id) else None
+
 
 # Llama 3 pre-tokenisation pattern and special tokens (256 reserved ids after the ranks).
 _LLAMA3_PATTERN = (
@@ -112,6 +117,10 @@ class TikTokenTokenizer:
   def decode(self, ids) -> str:
     return self._enc.decode([int(i) for i in ids])
 
+  def token_id(self, token: str) -> int | None:
+    """The id of a special token (e.g. <|eot_id|>), or None if it has none."""
+    return self._enc.encode_single_token(token) if token in self._enc.special_tokens_set else None
+
 
 # Special tokens that mark the start and end of a document in common tokenizer.json files.
 _BOS_NAMES = ("<s>", "<bos>", "<|begin_of_text|>", "<|startoftext|>", "[CLS]")
@@ -160,6 +169,10 @@ class HuggingFaceTokenizer:
 
   def decode(self, ids) -> str:
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+  def token_id(self, token: str) -> int | None:
+    """The id of a token of the vocabulary (e.g. a special token), or None if it has none."""
+    return self._tok.token_to_id(token)
 
 
 @functools.cache

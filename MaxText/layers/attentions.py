@@ -4,6 +4,7 @@ optionally a sliding window and soft-capped logits)."""
 import functools
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
@@ -54,6 +55,38 @@ def dot_product_attention(
   Returns:
     (B, T, Nq, D)
   """
+  mask = attention_mask(segment_ids, sliding_window)
+  return masked_attention(query, key, value, mask, logits_soft_cap=logits_soft_cap, float32_logits=float32_logits)
+
+
+def cache_mask(positions, cache_length: int, sliding_window: int = 0):
+  """Which cache slots each query sees while decoding, where slot s holds the key of position s.
+
+  Args:
+    positions: (B, T) positions of the queries (their keys are already written at those slots).
+    cache_length: S, the slots in the cache.
+    sliding_window: > 0 also requires t - s < sliding_window, as attention_mask.
+  Returns:
+    (B, 1, 1, T, S) boolean mask. Slots after a query's position (not yet written, or the padding of a
+    prompt) are masked by causality.
+  """
+  t = positions[:, :, None]  # (B, T, 1)
+  s = jnp.arange(cache_length)[None, None, :]  # (1, 1, S)
+  allowed = s <= t
+  if sliding_window > 0:
+    allowed &= t - s < sliding_window
+  return allowed[:, None, None, :, :]
+
+
+def masked_attention(query, key, value, mask, logits_soft_cap: float = 0.0, float32_logits: bool = True):
+  """softmax(soft_cap(q k^T), masked) v with grouped-query heads.
+
+  Args:
+    query: (B, T, Nq, D). key, value: (B, S, Nkv, D), Nq a multiple of Nkv.
+    mask: (B, 1, 1, T, S) boolean, True where a query may see a key.
+  Returns:
+    (B, T, Nq, D)
+  """
   batch, length, num_q, head_dim = query.shape
   num_kv = key.shape[2]
   query = query.reshape(batch, length, num_kv, num_q // num_kv, head_dim)  # (B, T, Nkv, G, D)
@@ -62,7 +95,7 @@ def dot_product_attention(
     logits = logits.astype(jnp.float32)
   if logits_soft_cap > 0:
     logits = soft_cap(logits, logits_soft_cap)
-  logits = jnp.where(attention_mask(segment_ids, sliding_window), logits, _MASK_VALUE)
+  logits = jnp.where(mask, logits, _MASK_VALUE)
   probs = nn.softmax(logits, axis=-1).astype(value.dtype)
   out = jnp.einsum("bkgts,bskd->btkgd", probs, value)  # (B, T, Nkv, G, D)
   return out.reshape(batch, length, num_q, head_dim)
@@ -75,6 +108,12 @@ class Attention(nn.Module):
   projections. Options a family picks: use_rope (False for GPT-3), use_bias (GPT-3), use_qk_norm (Qwen3:
   RMSNorm over head_dim of q and k before RoPE, `query_norm`/`key_norm`), fused_qkv (one `qkv_proj` kernel
   [E, 3, N, D], needs Nq == Nkv).
+
+  KV cache (decoding): when the model is applied with the `cache` collection mutable (mutable=["cache"]),
+  each call writes its keys and values at the slots of their positions in `cache/cached_key` and
+  `cache/cached_value` (B, cache_length, Nkv, D), created as zeros on the first call, and its queries attend
+  over the cache (dot-product, whatever attention_kernel). One path serves the prefill of a prompt (T
+  tokens from position 0) and each generated token (T = 1). Training never makes `cache` mutable.
   """
 
   num_query_heads: int
@@ -92,6 +131,7 @@ class Attention(nn.Module):
   use_qk_norm: bool = False
   norm_epsilon: float = 1e-6
   fused_qkv: bool = False
+  cache_length: int = 0  # slots of the KV cache: max_target_length
   dtype: str = "float32"
   weight_dtype: str = "float32"
 
@@ -113,6 +153,22 @@ class Attention(nn.Module):
     value = dense((self.num_kv_heads, self.head_dim), ("embed", "kv_heads", "kv_head_dim"), name="value")(x)
     return checkpoint_name(query, "query_proj"), checkpoint_name(key, "key_proj"), checkpoint_name(value, "value_proj")
 
+  def _update_cache(self, key, value, positions):
+    """Writes (B, T, Nkv, D) keys and values at slots positions[:, 0] ... + T - 1 of each row; returns the caches.
+
+    A row's positions are consecutive within one call (a prompt from 0, or one generated token).
+    """
+    batch, _, num_kv, head_dim = key.shape
+    shape = (batch, self.cache_length, num_kv, head_dim)
+    axes = ("cache_batch", "cache_sequence", "cache_heads", "cache_kv")
+    zeros = nn.with_logical_partitioning(jnp.zeros, axes)
+    cached_key = self.variable("cache", "cached_key", zeros, shape, key.dtype)
+    cached_value = self.variable("cache", "cached_value", zeros, shape, value.dtype)
+    write = jax.vmap(lambda cache, new, start: jax.lax.dynamic_update_slice_in_dim(cache, new, start, axis=0))
+    cached_key.value = nn.with_logical_constraint(write(cached_key.value, key, positions[:, 0]), axes)
+    cached_value.value = nn.with_logical_constraint(write(cached_value.value, value, positions[:, 0]), axes)
+    return cached_key.value, cached_value.value
+
   @nn.compact
   def __call__(self, x, positions, segment_ids):
     query, key, value = self._project(x)
@@ -132,8 +188,13 @@ class Attention(nn.Module):
     query = nn.with_logical_constraint(
       query * self.query_scale, ("activation_batch", "activation_length", "activation_heads", "activation_kv")
     )
-    kernel = flash_attention if self.attention_kernel == "flash" else dot_product_attention
-    out = kernel(query, key, value, segment_ids, sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)
+    if self.is_mutable_collection("cache") and not self.is_initializing():
+      key, value = self._update_cache(key, value, positions)  # (B, S, Nkv, D): every slot
+      mask = cache_mask(positions, self.cache_length, self.sliding_window)
+      out = masked_attention(query, key, value, mask, logits_soft_cap=self.logits_soft_cap)
+    else:
+      kernel = flash_attention if self.attention_kernel == "flash" else dot_product_attention
+      out = kernel(query, key, value, segment_ids, sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)
     out = checkpoint_name(out, "context")  # (B, T, Nq, D)
     out = DenseGeneral(
       x.shape[-1],

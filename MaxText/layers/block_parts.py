@@ -59,6 +59,7 @@ def self_attention(config, name: str = "self_attention", **family_options) -> At
     sliding_window=config.sliding_window_size,
     logits_soft_cap=config.attn_logits_soft_cap,
     fused_qkv=config.fused_qkv,
+    cache_length=config.max_target_length,
     norm_epsilon=config.normalization_layer_epsilon,
     dtype=config.dtype,
     weight_dtype=config.weight_dtype,

@@ -106,8 +106,8 @@ class Decoder(nn.Module):
     if cfg.scan_layers:
       stack = nn.scan(
         block,
-        # Sown statistics (e.g. MoE routing, for the load-balancing loss) stack over layers on axis 0.
-        variable_axes={"params": cfg.param_scan_axis, "intermediates": 0},
+        # Sown statistics (e.g. MoE routing, for the load-balancing loss) and KV caches stack over layers on axis 0.
+        variable_axes={"params": cfg.param_scan_axis, "intermediates": 0, "cache": 0},
         split_rngs={"params": True, "dropout": True},
         in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
         length=num_blocks(cfg),

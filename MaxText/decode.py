@@ -1,0 +1,86 @@
+"""Generates text from a checkpoint:
+
+    python3 MaxText/decode.py MaxText/configs/base.yml run_name=x load_parameters_path=<run>/checkpoints/<N>/items \
+        prompt="I love to" [decode_sampling_strategy=greedy|weighted|nucleus|topk] [model keys of the run...]
+
+The params come from load_parameters_path, load_full_state_path, or else the latest checkpoint of the run
+run_name under base_output_directory (random, with a warning, if there is none). The prompt is prefilled into
+the model's KV cache, then max_target_length - max_prefill_predict_length tokens are sampled for each of the
+per_device_batch_size x devices rows, which stop at the tokenizer's end token. Prints one line per row,
+Input `<prompt>` -> `<completion>`, then the prefill time, the time per generated token and the tokens/s.
+"""
+
+import os
+import sys
+
+if __package__ in (None, ""):  # Run as `python3 MaxText/decode.py`: import MaxText from this checkout.
+  sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+from MaxText import pyconfig  # pylint: disable=wrong-import-position
+from MaxText.errors import UserError, run_and_exit_on_user_error  # pylint: disable=wrong-import-position
+
+
+def _check_config(config) -> None:
+  if not config.prompt:
+    raise UserError('prompt is empty: give the text to continue, e.g. prompt="I love to"')
+  if config.max_target_length <= config.max_prefill_predict_length:
+    raise UserError(
+      f"max_target_length={config.max_target_length} must exceed max_prefill_predict_length="
+      f"{config.max_prefill_predict_length}: the difference is the number of tokens generated"
+    )
+
+
+def _tokenizer(config):
+  from MaxText.tokenizer import build_tokenizer  # pylint: disable=import-outside-toplevel
+
+  path = pyconfig.resolve_asset_path(config.tokenizer_path, config.config_path)
+  if not path:
+    raise UserError(
+      f"tokenizer_path={config.tokenizer_path} does not exist (tried the cwd, MaxText/ and the config's directory)"
+    )
+  tokenizer = build_tokenizer(path, add_bos=config.add_bos, add_eos=False)
+  if tokenizer.vocab_size > config.vocab_size:
+    raise UserError(
+      f"tokenizer_path={config.tokenizer_path} has {tokenizer.vocab_size} tokens but vocab_size={config.vocab_size}: "
+      "use the tokenizer the model was trained with"
+    )
+  return tokenizer
+
+
+def main(argv: list[str]) -> list[str]:
+  """Decodes as the config says; returns the completion of each row."""
+  config = pyconfig.initialize(argv)
+  _check_config(config)
+  tokenizer = _tokenizer(config)
+  prompt_ids = tokenizer.encode(config.prompt)
+  # pylint: disable=import-outside-toplevel
+  from MaxText import decoding, jax_runtime, max_logging
+  from MaxText.mesh import create_device_mesh
+
+  decoding.check_prompt(config, prompt_ids)
+  max_logging.configure(config.log_all_processes)
+  jax_runtime.enable_compilation_cache(config.jax_cache_dir)
+  mesh = create_device_mesh(config)
+  model, abstract_params = decoding.build(config, mesh)
+  params = decoding.load_params(config, model, abstract_params, mesh)
+  end_ids = decoding.end_token_ids(tokenizer)
+  result = decoding.generate(config, model, params, mesh, prompt_ids, end_ids, valid_vocab=tokenizer.vocab_size)
+  completions = [tokenizer.decode(decoding.completion(row, end_ids)) for row in result.tokens]
+  for text in completions:
+    print(f"Input `{config.prompt}` -> `{text}`", flush=True)
+  rows, steps = result.tokens.shape[0], result.tokens.shape[1] - 1
+  print(
+    f"Prefill: {result.prefill_s * 1e3:.1f} ms ({len(prompt_ids)} prompt tokens, {rows} rows); "
+    f"{result.step_s * 1e3:.2f} ms per generated token ({steps} steps); {result.generated_per_s:.1f} generated tokens/s",
+    flush=True,
+  )
+  if config.autoregressive_decode_assert and completions[0] != config.autoregressive_decode_assert:
+    raise UserError(
+      f"generated text mismatch: `{completions[0]}` is not "
+      f"autoregressive_decode_assert=`{config.autoregressive_decode_assert}`"
+    )
+  return completions
+
+
+if __name__ == "__main__":
+  run_and_exit_on_user_error(main, sys.argv)
