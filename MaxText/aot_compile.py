@@ -170,7 +170,9 @@ def report(outcome: Outcome) -> list[str]:
   config, target = outcome.config, outcome.target
   slices = f" x {config.num_slices} slices" if config.num_slices > 1 else ""
   axes = zip(config.mesh_axes, config.ici_parallelism, config.dcn_parallelism)
-  mesh = ", ".join(f"{axis}={ici}" + (f"x{dcn} (dcn)" if dcn > 1 else "") for axis, ici, dcn in axes if ici * dcn > 1)
+  mesh = ", ".join(
+    f"{axis}={ici * dcn}" + (f" ({dcn} across slices)" if dcn > 1 else "") for axis, ici, dcn in axes if ici * dcn > 1
+  )
   lines = [
     f"Target: {target.name}{slices} = {len(outcome.devices)} devices ({target.chip.device_kind}), mesh {mesh or 'of 1'}",
     f"Model: {outcome.num_params:,} parameters; global batch {config.global_batch_size_to_train_on} "

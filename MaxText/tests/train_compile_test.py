@@ -216,3 +216,12 @@ def test_cpu_runs_stay_off_libtpu_on_a_host_without_tpus(tmp_path):
   result, metrics = run_train(tmp_path, "cpu", "steps=1", "enable_checkpointing=false", env={"JAX_PLATFORMS": ""})
   assert result.returncode == 0 and len(metrics) == 1, result.stderr[-2000:]
   assert "TPU" not in result.stderr and "libtpu" not in result.stderr, result.stderr[-2000:]
+
+
+def test_upstream_keys_that_shape_the_step_compile_for_tpu():
+  """fused_qkv, fused_mlp, use_iota_embed and remat_policy=minimal_offloaded (saved activations in host memory)."""
+  keys = ["fused_qkv=true", "fused_mlp=true", "use_iota_embed=true", "remat_policy=minimal_offloaded", "base_num_kv_heads=4"]
+  outcome = aot_compile.compile_for_target(aot_config("compile_topology=v5e-4", *keys))
+  _check_fits(outcome)
+  assert outcome.host_bytes > 0  # the offloaded activations
+  assert "  host memory " in "\n".join(aot_compile.report(outcome))
