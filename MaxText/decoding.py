@@ -108,18 +108,22 @@ def _sampler(config, valid_vocab: int):
 
 
 def _prefill(model, pick, params, tokens, true_length, rng):
-  """Runs the padded prompts (B, P) through the model from an empty cache; returns (cache, last logits, first token)."""
+  """Runs the padded prompts (B, P) through the model from an empty cache; returns (cache, last logits, first token).
+
+  Sampling draws from fold_in(rng, 0) here and fold_in(rng, i) at step i (all on the device, no eager ops).
+  """
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
   segment_ids = (positions < true_length[:, None]).astype(jnp.int32)  # 0: padding
   logits, variables = model.apply({"params": params}, tokens, positions, segment_ids, mutable=["cache"])
   last = jnp.take_along_axis(logits, (true_length - 1)[:, None, None], axis=1)[:, 0]  # (B, V)
-  return nn.unbox(variables["cache"]), last, pick(last, rng)
+  return nn.unbox(variables["cache"]), last, pick(last, jax.random.fold_in(rng, 0))
 
 
-def _step(model, pick, params, cache, tokens, positions, rng):
-  """Feeds one token per row (B,) at `positions` (B,); returns (cache, logits, next token)."""
+def _step(model, pick, params, cache, tokens, positions, step, rng):
+  """Feeds one token per row (B,) at `positions` (B,); returns (cache, logits, next token, positions + 1, step + 1)."""
   logits, variables = model.apply({"params": params, "cache": cache}, tokens[:, None], positions[:, None], mutable=["cache"])
-  return variables["cache"], logits[:, 0], pick(logits[:, 0], rng)
+  token = pick(logits[:, 0], jax.random.fold_in(rng, step))
+  return variables["cache"], logits[:, 0], token, positions + 1, step + 1
 
 
 def generate(
@@ -152,20 +156,19 @@ def generate(
   with sharding.logical_context(mesh, config):
     prefill = jax.jit(functools.partial(_prefill, model, pick)).lower(params, tokens, true_length, rng).compile()
     start = time.perf_counter()
-    cache, logits, token = jax.block_until_ready(prefill(params, tokens, true_length, jax.random.fold_in(rng, 0)))
+    cache, logits, token = jax.block_until_ready(prefill(params, tokens, true_length, rng))
     prefill_s = time.perf_counter() - start
 
     step = jax.jit(functools.partial(_step, model, pick), donate_argnums=(1,))
-    positions = true_length
-    step = step.lower(params, cache, token, positions, rng).compile()
+    positions, index = true_length, jnp.ones((), jnp.int32)
+    step = step.lower(params, cache, token, positions, index, rng).compile()
     sampled, all_logits = [np.asarray(token)], [np.asarray(logits)] if keep_logits else None
     done = np.isin(sampled[0], end_ids)
     start = time.perf_counter()
-    for i in range(1, num_tokens):
+    for _ in range(1, num_tokens):
       if done.all():
         break
-      cache, logits, token = step(params, cache, token, positions, jax.random.fold_in(rng, i))
-      positions = positions + 1
+      cache, logits, token, positions, index = step(params, cache, token, positions, index, rng)
       sampled.append(np.asarray(token))  # waits for the step: the loop stops as soon as every row has ended
       done |= np.isin(sampled[-1], end_ids)
       if keep_logits:

@@ -146,6 +146,15 @@ def test_decode_py_after_training(trained_run):
   assert same.returncode == 0, same.stderr[-3000:]
   assert f"Decoding the latest checkpoint of run trained: {items}" in same.stdout + same.stderr
   assert same_lines == lines
+  # A full train state's params (load_full_state_path) decode the same (autoregressive_decode_assert checks it).
+  full, full_lines = _decode_py(
+    "run_name=d",
+    f"base_output_directory={trained_run}",
+    f"load_full_state_path={items}",
+    f"autoregressive_decode_assert={lines[0][1]}",
+  )
+  assert full.returncode == 0, full.stderr[-3000:]
+  assert full_lines == lines
 
 
 def test_checkpoint_of_another_model_is_a_clear_error(trained_run):
@@ -158,18 +167,22 @@ def test_checkpoint_of_another_model_is_a_clear_error(trained_run):
 
 
 def test_random_params_warn_and_still_decode(tmp_path):
-  result, lines = _decode_py("run_name=fresh", f"base_output_directory={tmp_path}", "dataset_type=synthetic")
-  assert result.returncode == 0, result.stderr[-3000:]
+  result, lines = _decode_py(
+    "run_name=fresh", f"base_output_directory={tmp_path}", "dataset_type=synthetic", "autoregressive_decode_assert=no"
+  )
   assert "the output is random" in result.stdout + result.stderr
   assert len(lines) == 2
+  assert result.returncode == 2 and "Error: generated text mismatch" in result.stderr  # the assert key's check
 
 
 @pytest.mark.slow
-def test_eight_devices_give_the_one_device_outputs(tmp_path):
+@pytest.mark.parametrize("parallelism", [[], ["ici_fsdp_parallelism=4", "ici_autoregressive_parallelism=2"]])
+def test_eight_devices_give_the_one_device_outputs(tmp_path, parallelism):
+  """8 rows on one device, then one row per device: the batch (fsdp) and the heads (autoregressive) sharded."""
   args = ("run_name=fresh", f"base_output_directory={tmp_path}", "dataset_type=synthetic")
   one, one_lines = _decode_py(*args, "per_device_batch_size=8")
   eight, eight_lines = _decode_py(
-    *args, "per_device_batch_size=1", env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    *args, "per_device_batch_size=1", *parallelism, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
   )
   assert one.returncode == 0 and eight.returncode == 0, one.stderr[-2000:] + eight.stderr[-2000:]
   assert "Mesh: 8 devices" in eight.stdout + eight.stderr
