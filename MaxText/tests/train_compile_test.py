@@ -113,6 +113,7 @@ def _check_fits(outcome):
   assert aot_compile.verdict(outcome).startswith(f"Verdict: fits, with {headroom:.2f} GiB of headroom per device")
 
 
+@pytest.mark.slow  # a minute or more on 2 cores; CI runs it with -m slow
 def test_flash_is_the_tpu_kernel_not_the_interpreter():
   outcome = aot_compile.compile_for_target(aot_config("compile_topology=v5e-8", "attention=flash", "max_target_length=128"))
   assert outcome.fits
@@ -154,6 +155,7 @@ def test_step_cost_adds_layer_blocks():
   assert roofline.step_cost(one, two, num_blocks=5, gradient_accumulation_steps=2) == roofline.Cost(2 * 22.0, 2 * 180.0)
 
 
+@pytest.mark.slow  # a minute or more on 2 cores; CI runs it with -m slow
 def test_compile_save_load_train_gives_the_plain_jit_losses(tmp_path):
   eight_devices = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
   compiled_file = tmp_path / "step.pickle"
@@ -218,6 +220,7 @@ def test_cpu_runs_stay_off_libtpu_on_a_host_without_tpus(tmp_path):
   assert "TPU" not in result.stderr and "libtpu" not in result.stderr, result.stderr[-2000:]
 
 
+@pytest.mark.slow  # a minute or more on 2 cores; CI runs it with -m slow
 def test_upstream_keys_that_shape_the_step_compile_for_tpu():
   """fused_qkv, fused_mlp, use_iota_embed and remat_policy=minimal_offloaded (saved activations in host memory)."""
   keys = ["fused_qkv=true", "fused_mlp=true", "use_iota_embed=true", "remat_policy=minimal_offloaded", "base_num_kv_heads=4"]
@@ -225,3 +228,24 @@ def test_upstream_keys_that_shape_the_step_compile_for_tpu():
   _check_fits(outcome)
   assert outcome.host_bytes > 0  # the offloaded activations
   assert "  host memory " in "\n".join(aot_compile.report(outcome))
+
+
+def test_compiled_step_file_names_what_differs_and_rejects_other_files(tmp_path):
+  from MaxText import compiled_step_file  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.helpers import tiny_config  # pylint: disable=import-outside-toplevel
+
+  devices = jax.devices()
+  compiled_for = compiled_step_file.step_signature(tiny_config(), devices)
+  here = tiny_config("per_device_batch_size=4", "learning_rate=1e-3", "steps=7", "enable_checkpointing=false")
+  differences = compiled_step_file._differences(compiled_for, compiled_step_file.step_signature(here, devices), here)
+  assert differences[:2] == [
+    "learning_rate=0.001 here but 3e-05 in the file",
+    "per_device_batch_size=4.0 here but 2.0 in the file",
+  ]
+  assert not [d for d in differences if d.startswith(("steps=", "enable_checkpointing="))]  # outside the step
+  assert "learning_rate_schedule_steps=7 here but 150001 in the file" in differences  # steps sets the baked-in schedule
+  with pytest.raises(UserError, match="does not exist"):
+    compiled_step_file._read(str(tmp_path / "missing.pickle"))
+  (tmp_path / "garbage.pickle").write_bytes(b"garbage")
+  with pytest.raises(UserError, match="is not a compiled train step of train_compile.py"):
+    compiled_step_file._read(str(tmp_path / "garbage.pickle"))
