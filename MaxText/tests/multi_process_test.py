@@ -2,6 +2,7 @@
 also when the batch rows of a process are not one block (interleaved) or are held by both (tensor parallelism)."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -109,7 +110,12 @@ def test_two_processes_load_their_rows_and_match_one_process(tmp_path, data_flag
   assert sorted(os.listdir(tmp_path / "multi" / "checkpoints")) == ["0", "3"]
   if "eval_interval=2" in flags:  # process 1 holds no eval document: it pads instead of failing alone (a hang)
 
-    def evals(stdout):  # the eval lines without their wall time
-      return [line.split(", seconds=")[0] for line in stdout.splitlines() if line.startswith("eval after step")]
+    def evals(stdout):  # (step, eval_loss, perplexity, eval_steps, total_weights) of each eval line
+      found = re.findall(
+        r"eval after step (\d+): eval_loss=([\d.]+), perplexity=([\d.]+), eval_steps=(\d+), total_weights=(\d+)", stdout
+      )
+      return np.array(found, dtype=np.float64)
 
-    assert len(evals(outputs[0][0])) == 2 and evals(outputs[0][0]) == evals(single.stdout)
+    # The same evals, up to float32 rounding of a sum over other shards (perplexity 6270.228 vs 6270.231 seen).
+    assert len(evals(outputs[0][0])) == 2
+    np.testing.assert_allclose(evals(outputs[0][0]), evals(single.stdout), rtol=1e-6)
