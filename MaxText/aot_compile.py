@@ -161,7 +161,10 @@ def verdict(outcome: Outcome) -> str:
     return f"Verdict: fits, with {_in_gib(limit - outcome.memory.peak_bytes)} of headroom per device on {of_device}"
   excess = outcome.excess_bytes()
   amount = f" by {'at least ' if outcome.compiler_error else ''}{_in_gib(excess)} per device" if excess is not None else ""
-  compiler = f"; the compiler says: {outcome.compiler_error}" if outcome.compiler_error else ""
+  if outcome.compiler_error:
+    compiler = f"; the compiler says: {outcome.compiler_error}"
+  else:  # seen for TPU v4 (libtpu 0.0.42): temporaries above the chip's memory, yet no error from the compiler
+    compiler = " (by the compiler's memory analysis; the compiler itself raised no out-of-memory error)"
   return f"Verdict: does not fit{amount} on {of_device}{compiler}"
 
 

@@ -249,3 +249,11 @@ def test_compiled_step_file_names_what_differs_and_rejects_other_files(tmp_path)
   (tmp_path / "garbage.pickle").write_bytes(b"garbage")
   with pytest.raises(UserError, match="is not a compiled train step of train_compile.py"):
     compiled_step_file._read(str(tmp_path / "garbage.pickle"))
+
+
+def test_verdict_over_the_limit_without_a_compiler_error_says_where_it_comes_from():
+  memory = aot_compile.memory_check.CompiledMemory(2 * 2**30, 0, 0, 30 * 2**30, 2**20)
+  outcome = aot_compile.Outcome(None, aot_targets.lookup("v4-8"), [], 0, 0.0, int(30.75 * 2**30), memory=memory)
+  line = aot_compile.verdict(outcome)
+  assert line.startswith("Verdict: does not fit by 1.25 GiB per device on a TPU v4 device (30.75 GiB)")
+  assert "the compiler itself raised no out-of-memory error" in line
