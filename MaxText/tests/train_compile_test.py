@@ -202,8 +202,10 @@ def test_fractional_batch_with_sequence_parallelism_compiles():
 
 @pytest.mark.slow
 def test_search_finds_the_largest_batch_that_fits():
-  args = tiny_args(*TINY_AOT, "compile_topology=v5e-1", "compile_search=per_device_batch_size", "remat_policy=none")
-  args += ["base_emb_dim=256", "vocab_size=32768", "max_target_length=2048"]  # float32 logits: 256 MiB a row
+  large_logits = ["base_emb_dim=256", "vocab_size=32768", "max_target_length=2048"]  # float32 logits: 256 MiB a row
+  args = tiny_args(
+    *TINY_AOT, "compile_topology=v5e-1", "compile_search=per_device_batch_size", "remat_policy=none", *large_logits
+  )
   result = run_python([TRAIN_COMPILE_PY, "MaxText/configs/base.yml", *args])
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   rows = [line.split() for line in result.stdout.splitlines() if line.startswith("  none ")]
