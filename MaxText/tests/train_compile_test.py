@@ -254,8 +254,16 @@ def test_compiled_step_file_names_what_differs_and_rejects_other_files(tmp_path)
 
 
 def test_verdict_over_the_limit_without_a_compiler_error_says_where_it_comes_from():
-  memory = aot_compile.memory_check.CompiledMemory(2 * 2**30, 0, 0, 30 * 2**30, 2**20)
-  outcome = aot_compile.Outcome(None, aot_targets.lookup("v4-8"), [], 0, 0.0, int(30.75 * 2**30), memory=memory)
-  line = aot_compile.verdict(outcome)
-  assert line.startswith("Verdict: does not fit by 1.25 GiB per device on a TPU v4 device (30.75 GiB)")
-  assert "the compiler itself raised no out-of-memory error" in line
+  memory = aot_compile.memory_check.CompiledMemory(2 * 2**30, 0, 0, 30 * 2**30, 2**20)  # 32.00 GiB in all
+  tpu = aot_compile.Outcome(None, aot_targets.lookup("v4-8"), [], 0, 0.0, int(30.75 * 2**30), memory=memory)
+  assert tpu.fits  # the TPU compiler checks memory itself, and it raised nothing
+  assert aot_compile.verdict(tpu) == (
+    "Verdict: fits, with no headroom to spare on a TPU v4 device (30.75 GiB): the TPU compiler accepted it (it checks "
+    "the program against the chip's memory), though the analysed parts add up to 32.00 GiB"
+  )
+  cpu = aot_compile.Outcome(None, aot_targets.lookup("cpu-8"), [], 0, 0.0, int(30.75 * 2**30), memory=memory)
+  assert not cpu.fits
+  assert aot_compile.verdict(cpu) == (
+    "Verdict: does not fit by 1.25 GiB per device on a cpu device (30.75 GiB) (by the compiler's memory analysis; "
+    "this compiler does not check memory itself)"
+  )
