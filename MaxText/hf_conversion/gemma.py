@@ -12,17 +12,11 @@ GLOBAL_PARAMS = (
   Param("decoder/decoder_norm/scale", "model.norm.weight"),
 )
 
-_MLP = (
-  Param("mlp/wi_0/kernel", "model.layers.{i}.mlp.gate_proj.weight", "transpose"),
-  Param("mlp/wi_1/kernel", "model.layers.{i}.mlp.up_proj.weight", "transpose"),
-  Param("mlp/wo/kernel", "model.layers.{i}.mlp.down_proj.weight", "transpose"),
-)
-
 LAYER_PARAMS = (
   Param("pre_self_attention_norm/scale", "model.layers.{i}.input_layernorm.weight"),
   *llama.ATTENTION_PARAMS,
   Param("pre_ffw_norm/scale", "model.layers.{i}.post_attention_layernorm.weight"),
-  *_MLP,
+  *llama.MLP_PARAMS,
 )
 
 

@@ -17,7 +17,7 @@ def _sublayer(prefix: str, offset: int) -> tuple:
     *llama.ATTENTION_PARAMS,
     Param("post_self_attention_norm/scale", "model.layers.{i}.post_attention_layernorm.weight"),
     Param("pre_ffw_norm/scale", "model.layers.{i}.pre_feedforward_layernorm.weight"),
-    *gemma.LAYER_PARAMS[-3:],  # the MLP
+    *llama.MLP_PARAMS,
     Param("post_ffw_norm/scale", "model.layers.{i}.post_feedforward_layernorm.weight"),
   )
   return tuple(dataclasses.replace(p, maxtext=f"{prefix}/{p.maxtext}", layer_offset=offset) for p in params)

@@ -16,13 +16,17 @@ ATTENTION_PARAMS = (
   Param("self_attention/out/kernel", "model.layers.{i}.self_attn.o_proj.weight", "heads_out"),
 )
 
+MLP_PARAMS = (
+  Param("mlp/wi_0/kernel", "model.layers.{i}.mlp.gate_proj.weight", "transpose"),
+  Param("mlp/wi_1/kernel", "model.layers.{i}.mlp.up_proj.weight", "transpose"),
+  Param("mlp/wo/kernel", "model.layers.{i}.mlp.down_proj.weight", "transpose"),
+)
+
 LAYER_PARAMS = (
   Param("pre_self_attention_layer_norm/scale", "model.layers.{i}.input_layernorm.weight"),
   *ATTENTION_PARAMS,
   Param("post_self_attention_layer_norm/scale", "model.layers.{i}.post_attention_layernorm.weight"),
-  Param("mlp/wi_0/kernel", "model.layers.{i}.mlp.gate_proj.weight", "transpose"),
-  Param("mlp/wi_1/kernel", "model.layers.{i}.mlp.up_proj.weight", "transpose"),
-  Param("mlp/wo/kernel", "model.layers.{i}.mlp.down_proj.weight", "transpose"),
+  *MLP_PARAMS,
 )
 
 _UNSUPPORTED = ("attention_bias", "mlp_bias")
