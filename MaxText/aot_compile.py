@@ -109,12 +109,12 @@ def compile_for_target(config) -> Outcome:
   target = aot_targets.lookup(config.compile_topology)
   devices = aot_targets.devices(target, config.num_slices)
   mesh = create_device_mesh(config, devices)
-  setup = train_state.build(config, mesh, check_memory=False)  # the compiled step's verdict below covers it
-  num_params = sum(x.size for x in jax.tree.leaves(setup.abstract_state.params))
   start = time.perf_counter()
+  setup, lowered = _lowered(config, mesh)
+  num_params = sum(x.size for x in jax.tree.leaves(setup.abstract_state.params))
   outcome = Outcome(config, target, devices, num_params, 0.0, memory_limit(target, devices))
   try:
-    compiled = train_step.lower_train_step(setup.model, config, mesh, setup.abstract_state).compile()  # the step of train.py
+    compiled = lowered.compile()
   except Exception as error:  # pylint: disable=broad-except
     if not is_out_of_memory(error):
       raise
@@ -134,9 +134,10 @@ def compile_for_target(config) -> Outcome:
   return outcome
 
 
-def _compile(config, mesh):
+def _lowered(config, mesh):
+  """train.py's model, state layout and step, traced for the mesh (the compiled step's verdict covers the state)."""
   setup = train_state.build(config, mesh, check_memory=False)
-  return train_step.lower_train_step(setup.model, config, mesh, setup.abstract_state).compile()
+  return setup, train_step.lower_train_step(setup.model, config, mesh, setup.abstract_state)
 
 
 def _step_cost(config, mesh, compiled) -> roofline.Cost | None:
@@ -149,7 +150,7 @@ def _step_cost(config, mesh, compiled) -> roofline.Cost | None:
   for blocks in (1, 2):
     probe = config.replace(scan_layers=False, num_decoder_layers=blocks * block)
     try:
-      probes.append(roofline.Cost.of(_compile(probe, mesh).cost_analysis()))
+      probes.append(roofline.Cost.of(_lowered(probe, mesh)[1].compile().cost_analysis()))
     except Exception as error:  # pylint: disable=broad-except  # an estimate must not fail the verdict
       max_logging.warn(f"no step-time estimate: compiling a {blocks * block}-layer probe failed: {error}")
       return None

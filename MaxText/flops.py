@@ -29,6 +29,9 @@ PEAK_BF16_TFLOPS = {
   "b200": 2250.0,
 }
 
+# What one CPU device does (2 cores of a small VM, as the README quickstart measures): a rough figure, for estimates.
+CPU_TFLOPS_ESTIMATE = 0.1
+
 # How jax's device_kind names each generation, matched as lower-case substrings in this order: the more specific
 # names first, because a v5p reports "TPU v5" (a prefix of the v5e's "TPU v5 lite") and "NVIDIA GH200 480GB"
 # contains "H200".

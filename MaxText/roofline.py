@@ -16,9 +16,6 @@ import dataclasses
 
 from MaxText import flops
 
-# Peak of one CPU device (2 cores of a small VM, as the README quickstart measures): for estimates only.
-CPU_PEAK_TFLOPS = 0.1
-
 
 @dataclasses.dataclass(frozen=True)
 class Cost:
@@ -95,13 +92,13 @@ def estimate(config, cost: Cost | None, device_kind: str, bandwidth_gbps: float)
   Args:
     config: the Config the step was compiled for.
     cost: the step's cost per device (step_cost, or Cost.of the compiled step when it has no loops).
-    device_kind: the target device's kind (flops.py knows its peak); "cpu" uses CPU_PEAK_TFLOPS.
+    device_kind: the target device's kind (flops.py knows its peak); "cpu" uses flops.CPU_TFLOPS_ESTIMATE.
     bandwidth_gbps: the device's memory bandwidth (aot_targets.Chip).
 
   Returns:
     The estimate, or None without a cost or a known peak for the device.
   """
-  peak = CPU_PEAK_TFLOPS if device_kind == "cpu" else flops.peak_tflops_per_device(device_kind)
+  peak = flops.CPU_TFLOPS_ESTIMATE if device_kind == "cpu" else flops.peak_tflops_per_device(device_kind)
   if cost is None or not peak:
     return None
   model_tflops = flops.training_tflops_per_device(config).total_tflops

@@ -14,8 +14,6 @@ if __package__ in (None, ""):  # Run as `python3 MaxText/train.py`: import MaxTe
 from MaxText import pyconfig  # pylint: disable=wrong-import-position
 from MaxText.errors import UserError, run_and_exit_on_user_error  # pylint: disable=wrong-import-position
 
-_CPU_TFLOPS = 0.1  # what the README quickstart reaches per device on 2 CPU cores
-
 
 def _log_run_start(config, state) -> None:
   import jax  # pylint: disable=import-outside-toplevel
@@ -35,8 +33,8 @@ def _log_run_start(config, state) -> None:
   if jax.default_backend() == "cpu" and step_flops.total_tflops > 1:
     max_logging.warn(
       f"a step of this model needs {step_flops.total_tflops:.1f} TFLOPs per device; CPU devices do about "
-      f"{_CPU_TFLOPS} TFLOP/s, so expect about {step_flops.total_tflops / _CPU_TFLOPS:,.0f} s per step "
-      "(the README quickstart has CPU-sized model keys)"
+      f"{flops.CPU_TFLOPS_ESTIMATE} TFLOP/s, so expect about {step_flops.total_tflops / flops.CPU_TFLOPS_ESTIMATE:,.0f} s "
+      "per step (the README quickstart has CPU-sized model keys)"
     )
 
 
