@@ -3,17 +3,32 @@
 #
 #   bash setup.sh                         # DEVICE detected (gpu if nvidia-smi works, tpu if /dev/accel* or /dev/vfio exist, else cpu)
 #   bash setup.sh DEVICE=gpu MODE=stable  # DEVICE=cpu|gpu|tpu, MODE=stable|nightly
+#   bash setup.sh WHEEL_DIR=~/wheels      # a host without internet: only the wheels in that directory, no index
+#                                         # (README.md, "Hosts without internet", says how to fill it)
 #
 # Idempotent: a second run only checks what is installed (seconds).
 set -euo pipefail
-cd "$(dirname "$0")"
 
 for arg in "$@"; do
   case "$arg" in
-    DEVICE=*|MODE=*) export "${arg?}" ;;
-    *) echo "setup.sh: unknown argument '$arg' (use DEVICE=cpu|gpu|tpu MODE=stable|nightly)" >&2; exit 2 ;;
+    DEVICE=*|MODE=*|WHEEL_DIR=*) export "${arg?}" ;;
+    *) echo "setup.sh: unknown argument '$arg' (use DEVICE=cpu|gpu|tpu MODE=stable|nightly WHEEL_DIR=<dir>)" >&2; exit 2 ;;
   esac
 done
+
+WHEEL_DIR="${WHEEL_DIR:-}"
+if [[ -n "$WHEEL_DIR" ]]; then  # resolved before the cd below, against the caller's directory
+  if [[ ! -d "$WHEEL_DIR" ]]; then
+    echo "setup.sh: WHEEL_DIR=$WHEEL_DIR is not a directory (fill one with pip download: README.md, \"Hosts without internet\")" >&2
+    exit 2
+  fi
+  WHEEL_DIR="$(cd "$WHEEL_DIR" && pwd)"
+  if ! compgen -G "$WHEEL_DIR/*.whl" >/dev/null; then
+    echo "setup.sh: WHEEL_DIR=$WHEEL_DIR holds no .whl files (fill it with pip download: README.md, \"Hosts without internet\")" >&2
+    exit 2
+  fi
+fi
+cd "$(dirname "$0")"
 
 if [[ -z "${DEVICE:-}" ]]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then DEVICE=gpu
@@ -26,8 +41,37 @@ case "$MODE" in stable|nightly) ;; *) echo "setup.sh: MODE=$MODE is not one of s
 
 PYTHON="${PYTHON:-python3}"
 PIP=("$PYTHON" -m pip install --quiet --disable-pip-version-check)
+if [[ -n "$WHEEL_DIR" ]]; then
+  # No index at all, and no builds from source (they would need setuptools from an index).
+  PIP+=(--no-index --find-links "$WHEEL_DIR" --only-binary=:all:)
+fi
 JAX_RANGE="$(grep -E '^jax[><=]' requirements.txt | head -n1 | sed 's/^jax//')"
-echo "setup.sh: DEVICE=$DEVICE MODE=$MODE python=$("$PYTHON" -c 'import sys; print(sys.executable)')"
+echo "setup.sh: DEVICE=$DEVICE MODE=$MODE python=$("$PYTHON" -c 'import sys; print(sys.executable)')${WHEEL_DIR:+ WHEEL_DIR=$WHEEL_DIR}"
+
+# pip install "$@"; from WHEEL_DIR, a failure ends with one line that names the wheel the directory lacks.
+pip_install() {
+  if [[ -z "$WHEEL_DIR" ]]; then
+    "${PIP[@]}" "$@"
+    return
+  fi
+  local log status=0
+  log="$(mktemp)"
+  "${PIP[@]}" "$@" 2>"$log" || status=$?
+  cat "$log" >&2
+  if [[ $status -ne 0 ]]; then
+    local missing target
+    missing="$(sed -n -e 's/.*satisfies the requirement \(.*\) (from versions.*/\1/p' \
+      -e 's/.*No matching distribution found for //p' "$log" | head -n1)"
+    target="$("$PYTHON" -c 'import platform, sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}, {platform.machine()}")')"
+    if [[ -n "$missing" ]]; then
+      echo "setup.sh: WHEEL_DIR=$WHEEL_DIR has no wheel for $missing that fits this host ($target): pip download it there on a machine with internet (README.md, \"Hosts without internet\")" >&2
+    else
+      echo "setup.sh: pip could not install from WHEEL_DIR=$WHEEL_DIR (its error is above)" >&2
+    fi
+  fi
+  rm -f "$log"
+  return "$status"
+}
 
 case "$DEVICE" in
   cpu) extra="" ;;
@@ -35,14 +79,17 @@ case "$DEVICE" in
   tpu) extra="[tpu]" ;;
 esac
 if [[ "$MODE" == "stable" ]]; then
-  "${PIP[@]}" "jax${extra}${JAX_RANGE}"
+  pip_install "jax${extra}${JAX_RANGE}"
+elif [[ -n "$WHEEL_DIR" ]]; then
+  # The newest jax/jaxlib pre-releases in WHEEL_DIR (downloaded from JAX's nightly index, see README.md).
+  pip_install -U --pre "jax${extra}" jaxlib
 else
   # Nightly jax/jaxlib (and libtpu or the CUDA plugin) from JAX's nightly index.
-  "${PIP[@]}" -U --pre "jax${extra}" jaxlib \
+  pip_install -U --pre "jax${extra}" jaxlib \
     -i https://us-python.pkg.dev/ml-oss-artifacts-published/jax/simple/ -f https://storage.googleapis.com/jax-releases/libtpu_releases.html
 fi
 
-"${PIP[@]}" -r requirements.txt
+pip_install -r requirements.txt
 CHECK_ENV=()
 if [[ "$DEVICE" == tpu ]] && ! compgen -G "/dev/accel*" >/dev/null && ! compgen -G "/dev/vfio/[0-9]*" >/dev/null; then
   # libtpu on a host without TPU chips: for train_compile.py's TPU targets; MaxText keeps JAX on the CPU here.
