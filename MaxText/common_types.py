@@ -23,6 +23,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 DATASET_TYPES = ("embedded", "synthetic", "tfds", "grain", "hf")
 OPTIMIZERS = ("adamw",)
 HARDWARE = ("auto", "cpu", "gpu", "gpu_multiprocess", "tpu")
+XLA_FLAGS_PRESETS = ("", "a3mega")  # "" = none; the flags are in xla_flag_presets.PRESETS
 DECODE_SAMPLING_STRATEGIES = ("greedy", "weighted", "nucleus", "topk")
 COMPILE_SEARCHES = ("", "per_device_batch_size", "per_device_batch_size,remat_policy")
 

@@ -14,6 +14,7 @@ _CHOICES = {
   "dataset_type": common_types.DATASET_TYPES,
   "opt_type": common_types.OPTIMIZERS,
   "hardware": common_types.HARDWARE,
+  "xla_flags_preset": common_types.XLA_FLAGS_PRESETS,
   "compile_search": common_types.COMPILE_SEARCHES,
   "decode_sampling_strategy": common_types.DECODE_SAMPLING_STRATEGIES,
 }

@@ -13,7 +13,7 @@ import os
 
 import yaml
 
-from MaxText import common_types, config_loader, config_validation
+from MaxText import common_types, config_loader, config_validation, xla_flag_presets
 from MaxText.errors import ConfigError
 
 SOURCE_DERIVED = "derived"
@@ -290,6 +290,7 @@ def initialize(
 
   from MaxText import jax_runtime  # pylint: disable=import-outside-toplevel
 
+  xla_flag_presets.apply(values["xla_flags_preset"], environ)  # before a backend starts and reads XLA_FLAGS
   if for_compile_topology:
     devices = _compile_topology_devices(values)
   if devices is None:  # given devices (an AOT topology, a test) need no cluster
