@@ -20,7 +20,7 @@ _OUTSIDE_THE_STEP = {
   "run_name", "model_name", "override_model_config", "hardware", "base_output_directory", "run_dir", "tensorboard_dir",
   "checkpoint_dir", "metrics_dir", "config_path", "steps", "log_period", "log_all_processes", "enable_tensorboard",
   "metrics_file", "jax_cache_dir", "collect_stack_trace", "stack_trace_to_cloud", "stack_trace_interval_seconds",
-  "enable_checkpointing", "async_checkpointing", "checkpoint_period", "max_num_checkpoints_to_keep",
+  "jax_distributed_init", "distributed_init_timeout", "enable_checkpointing", "async_checkpointing", "checkpoint_period", "max_num_checkpoints_to_keep",
   "load_parameters_path", "load_full_state_path", "force_unroll", "dataset_type", "tokenizer_path", "add_bos",
   "add_eos", "packing", "num_epoch", "enable_data_shuffling", "data_shuffle_seed", "reuse_example_batch",
   "train_data_column", "eval_data_column", "tokenize_train_data", "tokenize_eval_data", "dataset_path",

@@ -15,6 +15,7 @@ _CHOICES = {
   "opt_type": common_types.OPTIMIZERS,
   "hardware": common_types.HARDWARE,
   "xla_flags_preset": common_types.XLA_FLAGS_PRESETS,
+  "jax_distributed_init": common_types.JAX_DISTRIBUTED_INIT,
   "compile_search": common_types.COMPILE_SEARCHES,
   "decode_sampling_strategy": common_types.DECODE_SAMPLING_STRATEGIES,
 }
@@ -33,6 +34,7 @@ _POSITIVE_INTS = (
   "rope_min_timescale",
   "rope_max_timescale",
   "stack_trace_interval_seconds",
+  "distributed_init_timeout",
   "num_experts",
   "num_experts_per_tok",
   "max_prefill_predict_length",

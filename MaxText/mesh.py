@@ -8,6 +8,22 @@ from jax.sharding import Mesh
 from MaxText import max_logging
 
 
+def slice_attribute(devices) -> str:
+  """The device attribute that tells slices apart.
+
+  TPU slices and GPU hosts set `slice_index`. CPU devices are all in slice 0, so there each process of a
+  multi-process job counts as one slice (which lets tests exercise dcn_* axes across processes).
+  """
+  if devices[0].platform == "cpu" or not hasattr(devices[0], "slice_index"):
+    return "process_index"
+  return "slice_index"
+
+
+def count_slices(devices) -> int:
+  attribute = slice_attribute(devices)
+  return len({getattr(d, attribute) or 0 for d in devices})
+
+
 def create_device_mesh(config, devices=None) -> Mesh:
   """A Mesh over config.mesh_axes with config.ici_parallelism x config.dcn_parallelism devices per axis.
 
@@ -17,14 +33,20 @@ def create_device_mesh(config, devices=None) -> Mesh:
   """
   devices = jax.devices() if devices is None else devices
   ici, dcn = list(config.ici_parallelism), list(config.dcn_parallelism)
+  on_cpu = devices[0].platform == "cpu"  # CPU devices have no physical topology to respect
   if config.num_slices > 1:
     grid = mesh_utils.create_hybrid_device_mesh(
-      ici, dcn, devices, allow_split_physical_axes=config.allow_split_physical_axes
+      ici,
+      dcn,
+      devices,
+      process_is_granule=slice_attribute(devices) == "process_index",
+      allow_split_physical_axes=config.allow_split_physical_axes,
     )
-  elif devices[0].platform in ("tpu", "gpu", "cuda", "rocm"):
+  elif not on_cpu:
     grid = mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=config.allow_split_physical_axes)
-  else:  # CPU devices have no physical topology to respect.
+  else:
     grid = np.array(devices).reshape(ici)
   mesh = Mesh(grid, config.mesh_axes)
-  max_logging.log(f"Mesh: {len(devices)} devices, shape {dict(mesh.shape)}")
+  slices = f" in {config.num_slices} slices" if config.num_slices > 1 else ""
+  max_logging.log(f"Mesh: {len(devices)} devices{slices}, shape {dict(mesh.shape)}")
   return mesh

@@ -202,7 +202,9 @@ def _derive_device_values(values, sources, devices):
         "attention=flash cannot shard the sequence: set ici/dcn_sequence_parallelism=1 or use attention=dot_product"
       )
 
-  num_slices = 1 + max(getattr(d, "slice_index", 0) or 0 for d in devices)
+  from MaxText.mesh import count_slices  # pylint: disable=import-outside-toplevel  # (imports jax)
+
+  num_slices = count_slices(devices)
   num_devices = len(devices)
   _set(values, sources, "num_slices", num_slices)
   _set(values, sources, "num_devices", num_devices)
@@ -288,14 +290,14 @@ def initialize(
   # JAX only after the cheap checks.
   import jax  # pylint: disable=import-outside-toplevel
 
-  from MaxText import jax_runtime  # pylint: disable=import-outside-toplevel
+  from MaxText import cluster, jax_runtime  # pylint: disable=import-outside-toplevel
 
   xla_flag_presets.apply(values["xla_flags_preset"], environ)  # before a backend starts and reads XLA_FLAGS
   if for_compile_topology:
     devices = _compile_topology_devices(values)
   if devices is None:  # given devices (an AOT topology, a test) need no cluster
     jax_runtime.skip_absent_tpu(values["hardware"], environ)
-    jax_runtime.maybe_initialize_distributed(values["hardware"], environ)
+    cluster.initialize(values["jax_distributed_init"], values["hardware"], values["distributed_init_timeout"], environ)
     devices = jax.devices()
   _derive_device_values(values, sources, devices)
   return Config(values, sources)

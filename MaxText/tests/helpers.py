@@ -65,3 +65,39 @@ def run_train(tmp_path, run_name, *args, env=None, metrics_name=None):
   argv += tiny_args(f"base_output_directory={tmp_path}", f"metrics_file={metrics}", "learning_rate=1e-2", *args)
   result = run_python(argv, env_extra=env)
   return result, (read_metrics(metrics) if metrics.exists() else [])
+
+
+def cpu_env(devices: int, **extra) -> dict:
+  """The environment of a test process with `devices` forced CPU devices (and a clean M_* environment)."""
+  env = {k: v for k, v in os.environ.items() if not k.startswith("M_")}
+  env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu", **extra)
+  return env
+
+
+def start_cpu_processes(command, processes: int = 2, devices_per_process: int = 4) -> list[subprocess.Popen]:
+  """Starts `command` as a jax.distributed job of `processes` CPU processes on 127.0.0.1 (output: stdout)."""
+  import portpicker  # pylint: disable=import-outside-toplevel
+
+  port = portpicker.pick_unused_port()
+  cluster = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "NNODES": str(processes)}
+  return [
+    subprocess.Popen(
+      command,
+      cwd=REPO_ROOT,
+      env=cpu_env(devices_per_process, **cluster, NODE_RANK=str(rank)),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for rank in range(processes)
+  ]
+
+
+def finish_processes(procs, timeout: int = 600) -> tuple[list[int], list[str]]:
+  """Waits for the processes (killing any left at the timeout); returns their exit codes and outputs."""
+  try:
+    outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  return [p.returncode for p in procs], outputs

@@ -7,22 +7,30 @@ import subprocess
 import sys
 
 import numpy as np
-import portpicker
 import pytest
 
 from MaxText.input_pipeline import sample_datasets
-from MaxText.tests.helpers import REPO_ROOT, TRAIN_PY, read_metrics, tiny_args
+from MaxText.tests.helpers import (
+  REPO_ROOT,
+  TRAIN_PY,
+  cpu_env,
+  finish_processes,
+  read_metrics,
+  start_cpu_processes,
+  tiny_args,
+)
 
-# Mesh axes in another order than base.yml's lay the devices out differently (CPU meshes are a plain
-# reshape of the device list: process 0 has devices 0-3). fsdp before data: process 0 holds rows 0-1 and 4-5
-# of an 8-row batch. tensor first: each process holds one tensor half of every row, so both hold all rows.
-_AXES = ["data", "stage", "fsdp", "fsdp_transpose", "sequence", "tensor", "expert", "autoregressive"]
-INTERLEAVED = ["mesh_axes=[" + ",".join(["fsdp", "data"] + [a for a in _AXES if a not in ("fsdp", "data")]) + "]"]
-INTERLEAVED += ["ici_data_parallelism=2"]
-TENSOR_ACROSS = [
-  "mesh_axes=[" + ",".join(["tensor"] + [a for a in _AXES if a != "tensor"]) + "]",
-  "ici_tensor_parallelism=2",
-]
+# Each process is one slice (CPU devices all report slice 0), so dcn_* axes split across the processes:
+# dcn_data (the default fill): process 0 holds rows 0-3 of an 8-row batch. dcn_fsdp with ici_data=2 (data before
+# fsdp in data_sharding): process 0 holds rows 0-1 and 4-5. dcn_tensor: each process holds one tensor half of
+# every row, so both hold all rows. The 1-process runs spread the same axes over its 8 devices (ici_*).
+INTERLEAVED = ["ici_data_parallelism=2"]
+TENSOR_ACROSS = ["ici_tensor_parallelism=2"]
+ACROSS_PROCESSES = {
+  "blocks": [],
+  "interleaved": ["dcn_data_parallelism=1", "dcn_fsdp_parallelism=2"],
+  "tensor_across_processes": ["dcn_data_parallelism=1", "dcn_tensor_parallelism=2", "ici_tensor_parallelism=1"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -52,12 +60,6 @@ def _command(tmp_path, run_name, flags):
   return [sys.executable, TRAIN_PY, "MaxText/configs/base.yml", f"run_name={run_name}", *args]
 
 
-def _env(devices, **extra):
-  env = {k: v for k, v in os.environ.items() if not k.startswith("M_")}
-  env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu", **extra)
-  return env
-
-
 LAYOUTS = {  # name: (data, mesh flags, the rows each process loads)
   "blocks": ("grain", [], ["0-3", "4-7"]),
   "interleaved": ("grain_small_eval", INTERLEAVED, ["0-1, 4-5", "2-3, 6-7"]),
@@ -72,7 +74,7 @@ def test_two_processes_load_their_rows_and_match_one_process(tmp_path, data_flag
   single = subprocess.run(
     _command(tmp_path, "single", flags),
     cwd=REPO_ROOT,
-    env=_env(8),
+    env=cpu_env(8),
     capture_output=True,
     text=True,
     timeout=600,
@@ -80,28 +82,13 @@ def test_two_processes_load_their_rows_and_match_one_process(tmp_path, data_flag
   )
   assert single.returncode == 0, single.stderr[-3000:]
 
-  port = portpicker.pick_unused_port()
-  procs = [
-    subprocess.Popen(
-      _command(tmp_path, "multi", flags),
-      cwd=REPO_ROOT,
-      env=_env(4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", NNODES="2", NODE_RANK=str(rank)),
-      stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE,
-      text=True,
-    )
-    for rank in range(2)
-  ]
-  try:
-    outputs = [p.communicate(timeout=300) for p in procs]
-  finally:
-    for p in procs:
-      p.kill()
-  for p, (_, stderr) in zip(procs, outputs):
-    assert p.returncode == 0, stderr[-3000:]
+  procs = start_cpu_processes(_command(tmp_path, "multi", [*flags, *ACROSS_PROCESSES[layout]]))
+  codes, outputs = finish_processes(procs, timeout=300)
+  assert codes == [0, 0], "\n".join(o[-3000:] for o in outputs)
   for rank in range(2):
-    assert f"Process {rank} loads rows {rows[rank]} of each 8-row train batch" in outputs[rank][0]
-  assert "jax.distributed ready: process 1 of 2" in outputs[1][0]
+    assert f"Process {rank} loads rows {rows[rank]} of each 8-row train batch" in outputs[rank]
+  assert "jax.distributed ready: process 1 of 2" in outputs[1]
+  assert "Mesh: 8 devices in 2 slices" in outputs[0]
 
   one, two = read_metrics(tmp_path / "single.jsonl"), read_metrics(tmp_path / "multi.jsonl")
   assert [m["step"] for m in two] == [0, 1, 2, 3]
@@ -117,5 +104,5 @@ def test_two_processes_load_their_rows_and_match_one_process(tmp_path, data_flag
       return np.array(found, dtype=np.float64)
 
     # The same evals, up to float32 rounding of a sum over other shards (perplexity 6270.228 vs 6270.231 seen).
-    assert len(evals(outputs[0][0])) == 2
-    np.testing.assert_allclose(evals(outputs[0][0]), evals(single.stdout), rtol=1e-6)
+    assert len(evals(outputs[0])) == 2
+    np.testing.assert_allclose(evals(outputs[0]), evals(single.stdout), rtol=1e-6)

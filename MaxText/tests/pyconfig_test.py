@@ -125,7 +125,7 @@ def test_fractional_per_device_batch_size_loads_one_row_per_device_as_upstream()
 
   class FakeDevice:
     platform = "cpu"
-    slice_index = 0
+    process_index = 0
 
   pyconfig._derive_device_values(values, sources, [FakeDevice()] * 8)  # pylint: disable=protected-access
   assert values["micro_batch_size_to_train_on"] == 2
@@ -144,11 +144,12 @@ def test_logical_axis_rules_merge_keeps_base_order():
 
 
 class FakeDevice:
-  """What pyconfig reads of a device: its platform and its slice."""
+  """What pyconfig reads of a device: its platform, its slice and its process."""
 
-  def __init__(self, slice_index=0, platform="cpu"):
+  def __init__(self, slice_index=0, platform="cpu", process_index=0):
     self.slice_index = slice_index
     self.platform = platform
+    self.process_index = process_index
 
 
 def _child(tmp_path, text, name="child.yml"):
@@ -232,12 +233,15 @@ def test_preset_values_keep_the_preset_as_source():
 def test_dcn_parallelism_needs_more_than_one_slice():
   with pytest.raises(ConfigError, match="dcn_fsdp_parallelism=2 but there is one slice"):
     pyconfig.initialize(["t", BASE_YML, "run_name=x", "dcn_fsdp_parallelism=2"], environ={})
-  two_slices = [FakeDevice(slice_index=i // 4) for i in range(8)]
-  c = pyconfig.initialize(
-    ["t", BASE_YML, "run_name=x", "dcn_data_parallelism=1", "dcn_fsdp_parallelism=2"], environ={}, devices=two_slices
-  )
-  fsdp = c.mesh_axes.index("fsdp")
-  assert c.num_slices == 2 and c.dcn_parallelism[fsdp] == 2 and c.ici_parallelism[fsdp] == 4
+  two_slices = [FakeDevice(slice_index=i // 4, platform="gpu", process_index=i // 4) for i in range(8)]
+  # CPU devices all say slice 0: each process of a multi-process CPU job is a slice.
+  two_cpu_processes = [FakeDevice(slice_index=0, process_index=i // 4) for i in range(8)]
+  for devices in (two_slices, two_cpu_processes):
+    c = pyconfig.initialize(
+      ["t", BASE_YML, "run_name=x", "dcn_data_parallelism=1", "dcn_fsdp_parallelism=2"], environ={}, devices=devices
+    )
+    fsdp = c.mesh_axes.index("fsdp")
+    assert c.num_slices == 2 and c.dcn_parallelism[fsdp] == 2 and c.ici_parallelism[fsdp] == 4
 
 
 @pytest.mark.parametrize("name", ["../elsewhere", "a/b", "..", ".", "a\\b", "/abs"])
