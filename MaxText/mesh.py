@@ -29,9 +29,10 @@ def create_device_mesh(config, devices=None) -> Mesh:
 
   Args:
     config: the Config (its -1 parallelism values are already filled in).
-    devices: the devices to lay out (default: all devices; an AOT target topology's devices otherwise).
+    devices: the devices to lay out (default: the config's, the first config.num_devices of jax.devices(); an AOT
+      target topology's devices otherwise).
   """
-  devices = jax.devices() if devices is None else devices
+  devices = jax.devices()[: config.num_devices] if devices is None else devices
   ici, dcn = list(config.ici_parallelism), list(config.dcn_parallelism)
   on_cpu = devices[0].platform == "cpu"  # CPU devices have no physical topology to respect
   if config.num_slices > 1:
