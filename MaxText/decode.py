@@ -67,12 +67,11 @@ def main(argv: list[str]) -> list[str]:
   result = decoding.generate(config, model, params, mesh, prompt_ids, end_ids, valid_vocab=tokenizer.vocab_size)
   completions = [tokenizer.decode(decoding.completion(row, end_ids)) for row in result.tokens]
   for text in completions:
-    print(f"Input `{config.prompt}` -> `{text}`", flush=True)
+    max_logging.log(f"Input `{config.prompt}` -> `{text}`")  # process 0 (every process computed them)
   rows, steps = result.tokens.shape[0], result.tokens.shape[1] - 1
-  print(
+  max_logging.log(
     f"Prefill: {result.prefill_s * 1e3:.1f} ms ({len(prompt_ids)} prompt tokens, {rows} rows); "
-    f"{result.step_s * 1e3:.2f} ms per generated token ({steps} steps); {result.generated_per_s:.1f} generated tokens/s",
-    flush=True,
+    f"{result.step_s * 1e3:.2f} ms per generated token ({steps} steps); {result.generated_per_s:.1f} generated tokens/s"
   )
   if config.autoregressive_decode_assert and completions[0] != config.autoregressive_decode_assert:
     raise UserError(

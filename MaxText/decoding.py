@@ -107,6 +107,21 @@ def _sampler(config, valid_vocab: int):
   return pick
 
 
+def _on_every_process(x):
+  """x replicated over the mesh: the rows of a batch may sit on other processes' devices, and every process reads
+  the sampled tokens (to stop at end tokens, and to print)."""
+  return jax.lax.with_sharding_constraint(x, PartitionSpec())
+
+
+def _to_host(x) -> np.ndarray:
+  """The whole array on this host, also when it spans other processes' devices."""
+  if x.is_fully_addressable:
+    return np.asarray(x)
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def _prefill(model, pick, params, tokens, true_length, rng):
   """Runs the padded prompts (B, P) through the model from an empty cache; returns (cache, last logits, first token).
 
@@ -116,13 +131,13 @@ def _prefill(model, pick, params, tokens, true_length, rng):
   segment_ids = (positions < true_length[:, None]).astype(jnp.int32)  # 0: padding
   logits, variables = model.apply({"params": params}, tokens, positions, segment_ids, mutable=["cache"])
   last = jnp.take_along_axis(logits, (true_length - 1)[:, None, None], axis=1)[:, 0]  # (B, V)
-  return nn.unbox(variables["cache"]), last, pick(last, jax.random.fold_in(rng, 0))
+  return nn.unbox(variables["cache"]), last, _on_every_process(pick(last, jax.random.fold_in(rng, 0)))
 
 
 def _step(model, pick, params, cache, tokens, positions, step, rng):
   """Feeds one token per row (B,) at `positions` (B,); returns (cache, logits, next token, positions + 1, step + 1)."""
   logits, variables = model.apply({"params": params, "cache": cache}, tokens[:, None], positions[:, None], mutable=["cache"])
-  token = pick(logits[:, 0], jax.random.fold_in(rng, step))
+  token = _on_every_process(pick(logits[:, 0], jax.random.fold_in(rng, step)))
   return variables["cache"], logits[:, 0], token, positions + 1, step + 1
 
 
@@ -162,7 +177,7 @@ def generate(
     step = jax.jit(functools.partial(_step, model, pick), donate_argnums=(1,))
     positions, index = true_length, jnp.ones((), jnp.int32)
     step = step.lower(params, cache, token, positions, index, rng).compile()
-    sampled, all_logits = [np.asarray(token)], [np.asarray(logits)] if keep_logits else None
+    sampled, all_logits = [np.asarray(token)], [_to_host(logits)] if keep_logits else None
     done = np.isin(sampled[0], end_ids)
     start = time.perf_counter()
     for _ in range(1, num_tokens):
@@ -172,7 +187,7 @@ def generate(
       sampled.append(np.asarray(token))  # waits for the step: the loop stops as soon as every row has ended
       done |= np.isin(sampled[-1], end_ids)
       if keep_logits:
-        all_logits.append(np.asarray(logits))
+        all_logits.append(_to_host(logits))
     steps_s = time.perf_counter() - start
   steps = len(sampled) - 1
   return Generation(

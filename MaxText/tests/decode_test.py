@@ -3,6 +3,7 @@ the real entry point (after a real training run, and on 8 forced CPU devices).""
 
 import os
 import re
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +12,15 @@ import pytest
 from MaxText import decode, decoding, mesh, sharding
 from MaxText.errors import UserError
 from MaxText.tests.families_test import FAMILIES
-from MaxText.tests.helpers import BASE_YML, run_python, run_train, tiny_args, tiny_config
+from MaxText.tests.helpers import (
+  BASE_YML,
+  finish_processes,
+  run_python,
+  run_train,
+  start_cpu_processes,
+  tiny_args,
+  tiny_config,
+)
 
 DECODE_PY = os.path.join("MaxText", "decode.py")
 # float32 everywhere: the cache path computes the same sums over the same keys in another shape.
@@ -187,3 +196,21 @@ def test_eight_devices_give_the_one_device_outputs(tmp_path, parallelism):
   assert one.returncode == 0 and eight.returncode == 0, one.stderr[-2000:] + eight.stderr[-2000:]
   assert "Mesh: 8 devices" in eight.stdout + eight.stderr
   assert len(one_lines) == 8 and eight_lines == one_lines
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_one_device_outputs_printed_once(tmp_path):
+  """2 processes x 4 devices (one slice each: the rows split across processes) sample what 1 device does."""
+  args = ("run_name=fresh", f"base_output_directory={tmp_path}", "dataset_type=synthetic")
+  one, one_lines = _decode_py(*args, "per_device_batch_size=8")
+  command = [
+    sys.executable,
+    DECODE_PY,
+    "MaxText/configs/base.yml",
+    *tiny_args(*DECODE_KEYS, *args, "per_device_batch_size=1"),
+  ]
+  codes, outputs = finish_processes(start_cpu_processes(command))
+  assert one.returncode == 0 and codes == [0, 0], one.stderr[-2000:] + "\n".join(o[-2000:] for o in outputs)
+  assert "Mesh: 8 devices in 2 slices" in outputs[0]
+  assert _OUTPUT_LINE.findall(outputs[0]) == one_lines and len(one_lines) == 8
+  assert _OUTPUT_LINE.findall(outputs[1]) == []  # info lines print on process 0 only
