@@ -150,7 +150,8 @@ def initialize(mode: str, hardware: str, timeout_s: int, environ=None) -> None:
   try:
     jax.distributed.initialize(**kwargs, initialization_timeout=timeout_s + _JAX_DEADLINE_MARGIN_S)
   except (ValueError, RuntimeError) as e:  # e.g. JAX's detection found no cluster under jax_distributed_init=always
-    raise ConfigError(f"jax.distributed could not start ({who}, {where}): {e}") from None
+    hint = "" if address else " (no cluster found: set JAX_COORDINATOR_ADDRESS, NNODES and NODE_RANK)"
+    raise ConfigError(f"jax.distributed could not start ({who}, {where}): {e}{hint}") from None
   finally:
     done.set()
   max_logging.log(f"jax.distributed ready: process {jax.process_index()} of {jax.process_count()}")

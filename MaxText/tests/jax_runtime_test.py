@@ -78,3 +78,11 @@ def test_a_coordinator_that_never_answers_is_one_clear_line_within_the_timeout(t
   assert ("could not reach" if rank else "did not finish joining") in lines[0]
   assert "Traceback" not in result.stderr and "Check failure" not in result.stderr
   assert elapsed < 5 + 30, elapsed  # the timeout, plus starting Python and JAX
+
+
+def test_always_without_a_cluster_is_one_clear_line(tmp_path):
+  argv = [TRAIN_PY, BASE_YML, "run_name=x", "jax_distributed_init=always", *tiny_args(f"base_output_directory={tmp_path}")]
+  result = run_python(argv, timeout=120)
+  assert result.returncode == 2, result.stderr[-2000:]
+  assert result.stderr.strip().splitlines()[-1].startswith("Error: jax.distributed could not start")
+  assert "no cluster found: set JAX_COORDINATOR_ADDRESS, NNODES and NODE_RANK" in result.stderr
