@@ -195,29 +195,14 @@ def _saved_note(config, manager, last_saved) -> str:
   return f"saved the checkpoint of step {last_saved} to {config.checkpoint_dir}"
 
 
-def _diagnostics(config):
-  """cloud-tpu-diagnostics: periodic stack traces of every thread (collect_stack_trace), to find hangs."""
-  # pylint: disable=import-outside-toplevel
-  from cloud_tpu_diagnostics import diagnostic
-  from cloud_tpu_diagnostics.configuration import debug_configuration, diagnostic_configuration, stack_trace_configuration
-
-  stack_traces = stack_trace_configuration.StackTraceConfig(
-    collect_stack_trace=config.collect_stack_trace,
-    stack_trace_to_cloud=config.stack_trace_to_cloud,
-    stack_trace_interval_seconds=config.stack_trace_interval_seconds,
-  )
-  return diagnostic.diagnose(
-    diagnostic_configuration.DiagnosticConfig(debug_config=debug_configuration.DebugConfig(stack_trace_config=stack_traces))
-  )
-
-
 def main(argv: list[str]) -> None:
   config = pyconfig.initialize(argv, required_keys=("run_name",))
   from MaxText import jax_runtime, max_logging  # pylint: disable=import-outside-toplevel
+  from MaxText.diagnostics import stack_traces  # pylint: disable=import-outside-toplevel
 
   max_logging.configure(config.log_all_processes)
   jax_runtime.enable_compilation_cache(config.jax_cache_dir)
-  with _diagnostics(config):
+  with stack_traces.collect(config.collect_stack_trace, config.stack_trace_to_cloud, config.stack_trace_interval_seconds):
     train_loop(config)
 
 
