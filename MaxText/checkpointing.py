@@ -24,7 +24,8 @@ from MaxText.input_pipeline.batching import merge_process_states
 STATE_ITEM = "items"
 DATA_ITEM = "data_iter"
 QUARANTINE_DIR = "corrupted_checkpoints"
-# Test-only fault injection: "kill_during_save:<step>" SIGKILLs the process while that step's async save is in flight.
+# Test-only fault injection: "kill_during_save:<step>" SIGKILLs the process while that step's async save is in flight;
+# "hang_at_step:<step>" blocks the loop before that step (diagnostics/loop.py), for the step watchdog's test.
 FAULT_INJECTION_ENV = "MAXTEXT_FAULT_INJECTION"
 _MAX_LISTED_MISMATCHES = 5
 _TREE_METADATA_FILE = "_METADATA"  # Orbax's metadata of an items directory (the tree, its shapes and dtypes)

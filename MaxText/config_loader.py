@@ -149,6 +149,11 @@ def _check_list_items(subject: str, value: list, default: list) -> None:
       raise ConfigError(f"{subject} must be a list of lists of names, e.g. {_example(default)}")
 
 
+# String keys whose choices include true and false (step_watchdog: auto | true | false): a YAML boolean
+# (`step_watchdog: true` in a file, True from Python) is that word, as it is on the command line.
+WORD_KEYS_WITH_BOOLEANS = {"step_watchdog"}
+
+
 def coerce_value(key: str, value, default, where: str | None = None):
   """Converts a value to the type of the key's default in base.yml, or raises ConfigError naming it.
 
@@ -167,6 +172,8 @@ def coerce_value(key: str, value, default, where: str | None = None):
   if expected is str:
     if value is None:  # `key:` with nothing after it in YAML
       return ""
+    if key in WORD_KEYS_WITH_BOOLEANS and (isinstance(value, bool) or str(value).lower() in ("true", "false")):
+      return str(value).lower()
     if not isinstance(value, str):
       raise ConfigError(f'{subject} is not a string; quote it, e.g. "{_show(value)}"')
     return value

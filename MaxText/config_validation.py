@@ -16,6 +16,7 @@ _CHOICES = {
   "hardware": common_types.HARDWARE,
   "xla_flags_preset": common_types.XLA_FLAGS_PRESETS,
   "jax_distributed_init": common_types.JAX_DISTRIBUTED_INIT,
+  "step_watchdog": common_types.STEP_WATCHDOG,
   "compile_search": common_types.COMPILE_SEARCHES,
   "decode_sampling_strategy": common_types.DECODE_SAMPLING_STRATEGIES,
 }
@@ -34,6 +35,7 @@ _POSITIVE_INTS = (
   "rope_min_timescale",
   "rope_max_timescale",
   "stack_trace_interval_seconds",
+  "step_watchdog_min_seconds",
   "distributed_init_timeout",
   "num_experts",
   "num_experts_per_tok",
@@ -60,6 +62,7 @@ _RANGES = {
   "rope_scaling_factor": (0.0, math.inf, True, True),
   "load_balance_loss_weight": (0.0, math.inf, True, True),
   "decode_sampling_temperature": (0.0, math.inf, False, True),
+  "step_watchdog_factor": (1.0, math.inf, True, True),
 }
 
 

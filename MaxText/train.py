@@ -90,6 +90,7 @@ def _run_steps(config, mesh, model, state, state_shardings, p_train_step, data_i
   """The step loop from state.step to config.steps, with metrics, checkpoints and evals."""
   # pylint: disable=import-outside-toplevel
   from MaxText import checkpointing, evaluation, max_logging, metric_logger, sharding, train_step
+  from MaxText.diagnostics import loop as diagnostics_loop
 
   start_step = int(state.step)
   if start_step >= config.steps:
@@ -101,18 +102,21 @@ def _run_steps(config, mesh, model, state, state_shardings, p_train_step, data_i
   p_eval_step = train_step.jit_eval_step(model, config, mesh, state_shardings) if config.eval_interval > 0 else None
   logger = metric_logger.MetricLogger(config, start_step, metric_logger.create_tensorboard_writer(config))
   watcher = checkpointing.PreemptionWatcher()
+  diagnostics = diagnostics_loop.LoopDiagnostics(config, start_step)
   used_up = f"the training data is used up (num_epoch={config.num_epoch})"
   example_batch, stop_reason, last_saved, last_step = None, None, None, start_step - 1
   in_step = False  # while True, `state` is donated to the compiled step and must not be saved
   try:
     with sharding.logical_context(mesh, config):
       for step in range(start_step, config.steps):
-        if example_batch is None or not config.reuse_example_batch:
-          example_batch = next(data_iterator)
-        in_step = True
-        state, metrics = p_train_step(state, example_batch)
-        in_step = False
+        with diagnostics.step(step, state):
+          if example_batch is None or not config.reuse_example_batch:
+            example_batch = next(data_iterator)
+          in_step = True
+          state, metrics = p_train_step(state, example_batch)
+          in_step = False
         logger.record(step, metrics)
+        diagnostics.after_step(step, metrics)
         # Once every process is out of data, steps see only padding and change nothing (see train_step).
         if logger.data_exhausted:
           stop_reason = used_up
@@ -120,7 +124,8 @@ def _run_steps(config, mesh, model, state, state_shardings, p_train_step, data_i
           stop_reason = f"received {watcher.signal_name}"
         if p_eval_step is not None and stop_reason is None and (step + 1) % config.eval_interval == 0:
           logger.flush()
-          eval_metrics = evaluation.evaluate(config, mesh, p_eval_step, state.params)
+          with diagnostics.activity("eval"):
+            eval_metrics = evaluation.evaluate(config, mesh, p_eval_step, state.params)
           logger.write_eval(step, eval_metrics)
           logger.reset_step_timer()
           if config.target_eval_loss > 0 and eval_metrics["eval/loss"] <= config.target_eval_loss:
@@ -132,7 +137,8 @@ def _run_steps(config, mesh, model, state, state_shardings, p_train_step, data_i
         last_step = int(state.step) - 1 if stop_reason else step  # the last step that updated the weights
         if save:
           if last_step not in (last_saved, start_step - 1):  # nothing new since the last save or the restore
-            blocked = checkpointing.save_checkpoint(manager, last_step, state, data_iterator)
+            with diagnostics.activity("checkpoint save"):
+              blocked = checkpointing.save_checkpoint(manager, last_step, state, data_iterator)
             last_saved = last_step
             logger.reset_step_timer()
             max_logging.log(f"Saving the checkpoint of step {last_step} (the loop waited {blocked:.3f} s)")
@@ -144,6 +150,7 @@ def _run_steps(config, mesh, model, state, state_shardings, p_train_step, data_i
       _save_before_exit(manager, logger, state, data_iterator, error, (last_saved, start_step - 1))
     raise
   finally:
+    diagnostics.close()
     logger.close()
     watcher.close()
   if manager is not None:

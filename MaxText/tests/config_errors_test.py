@@ -50,6 +50,8 @@ CASES = [
   (["steps=4"], {"M_STEPS": "3"}, "key 'steps' is set both on the command line and by M_STEPS"),
   (["steps=-5"], {}, "steps=-5 must be positive"),
   (["head_dim=7"], {}, "head_dim=7 must be even"),
+  (["step_watchdog=maybe"], {}, "step_watchdog=maybe is not valid; choose one of: auto, true, false"),
+  (["step_watchdog_factor=0.5"], {}, "step_watchdog_factor=0.5 must be >= 1"),
   (
     ["metrics_file=/proc/no/metrics.jsonl", "base_emb_dim=32", "base_num_decoder_layers=1"],
     {},

@@ -74,8 +74,13 @@ def cpu_env(devices: int, **extra) -> dict:
   return env
 
 
-def start_cpu_processes(command, processes: int = 2, devices_per_process: int = 4) -> list[subprocess.Popen]:
-  """Starts `command` as a jax.distributed job of `processes` CPU processes on 127.0.0.1 (output: stdout)."""
+def start_cpu_processes(
+  command, processes: int = 2, devices_per_process: int = 4, rank_env: dict | None = None
+) -> list[subprocess.Popen]:
+  """Starts `command` as a jax.distributed job of `processes` CPU processes on 127.0.0.1 (output: stdout).
+
+  rank_env: {rank: {variable: value}}, extra environment of some processes.
+  """
   import portpicker  # pylint: disable=import-outside-toplevel
 
   port = portpicker.pick_unused_port()
@@ -84,7 +89,7 @@ def start_cpu_processes(command, processes: int = 2, devices_per_process: int = 
     subprocess.Popen(
       command,
       cwd=REPO_ROOT,
-      env=cpu_env(devices_per_process, **cluster, NODE_RANK=str(rank)),
+      env=cpu_env(devices_per_process, **cluster, NODE_RANK=str(rank), **(rank_env or {}).get(rank, {})),
       stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT,
       text=True,

@@ -1,0 +1,56 @@
+"""What the training loop calls around its steps: the step watchdog, and a test's injected hang."""
+
+import contextlib
+import os
+import time
+
+import jax
+
+from MaxText import max_logging
+from MaxText.checkpointing import FAULT_INJECTION_ENV
+from MaxText.diagnostics import watchdog
+
+
+def _injected_hang_step() -> int | None:
+  """The step before which this process hangs for a test: MAXTEXT_FAULT_INJECTION=hang_at_step:<step>."""
+  value = os.environ.get(FAULT_INJECTION_ENV, "")
+  if value.startswith("hang_at_step:"):
+    return int(value.split(":", 1)[1])
+  return None
+
+
+def _hang(step: int) -> None:
+  """Blocks in Python, as a process stuck in its own code would (its threads still run and can dump their stacks)."""
+  max_logging.warn(f"{FAULT_INJECTION_ENV}: process {jax.process_index()} hangs before step {step}")
+  while True:
+    time.sleep(3600)
+
+
+class LoopDiagnostics:
+  """The diagnostics of one run of the step loop; `close()` it when the loop ends."""
+
+  def __init__(self, config, start_step: int):
+    self.watchdog = watchdog.create(config, start_step)
+    self._hang_step = _injected_hang_step()
+
+  @contextlib.contextmanager
+  def step(self, step: int, state):
+    """Around getting a batch and dispatching step `step`."""
+    del state
+    if step == self._hang_step:
+      _hang(step)
+    yield
+
+  def after_step(self, step: int, metrics) -> None:
+    """After the step's metrics were handed to the logger: the heartbeat."""
+    del metrics
+    if self.watchdog is not None:
+      self.watchdog.beat(step)
+
+  def activity(self, name: str):
+    """A context for work between steps (an eval, a checkpoint save), which the watchdog times on its own."""
+    return self.watchdog.activity(name) if self.watchdog is not None else contextlib.nullcontext()
+
+  def close(self) -> None:
+    if self.watchdog is not None:
+      self.watchdog.close()
