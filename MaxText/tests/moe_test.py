@@ -1,7 +1,6 @@
 """Mixture of experts (decoder_block=mixtral): routing, capacity drops and the load-balancing loss against numpy
-references; the loss in every layer layout; expert parallelism on 8 CPU devices; the real train.py entry point."""
-
-import json
+references; the loss in every layer layout; the real train.py entry point. Expert parallelism on 8 CPU devices
+is in multi_device_test.py."""
 
 import flax.linen as nn
 import jax
@@ -11,7 +10,7 @@ import pytest
 
 from MaxText import layer_stacking, mesh, pyconfig, sharding, train_state, train_step
 from MaxText.layers import models, moe
-from MaxText.tests.helpers import BASE_YML, run_python, run_train, tiny_args, tiny_config
+from MaxText.tests.helpers import BASE_YML, run_train, tiny_config
 
 E, K, D, M = 4, 2, 8, 16  # experts, experts per token, embed, mlp
 MIXTRAL = ["decoder_block=mixtral", f"num_experts={E}", f"num_experts_per_tok={K}"]
@@ -177,19 +176,6 @@ def test_preset_parameter_count_matches_the_published_count(name, published):
   assert abs(count - published) / published < 0.01, (name, count)
 
 
-# Trains in a fresh process (the device count is fixed at JAX start-up); reports every parameter's
-# per-device shard shape and partition spec next to the metrics file.
-_CHILD = """
-import json, sys
-import jax
-from MaxText import pyconfig, train
-config = pyconfig.initialize(sys.argv[1:], required_keys=("run_name",))
-state = train.train_loop(config)
-leaves = jax.tree_util.tree_leaves_with_path(state.params)
-report = {jax.tree_util.keystr(p): [list(x.sharding.shard_shape(x.shape)), str(x.sharding.spec)] for p, x in leaves}
-json.dump({"devices": jax.device_count(), "params": report}, open(config.metrics_file + ".shapes.json", "w"))
-"""
-
 _RUN = [*MIXTRAL, "steps=5", "learning_rate=1e-2", "enable_checkpointing=false"]
 
 
@@ -206,55 +192,3 @@ def test_train_py_trains_a_tiny_mixtral_and_logs_the_load_balancing_loss(one_dev
   assert len(metrics) == 5 and metrics[-1]["learning/loss"] < metrics[0]["learning/loss"]
   assert all(0 < m["learning/moe_lb_loss"] < 0.01 * E for m in metrics)
   assert "moe_lb_loss: " in result.stdout + result.stderr
-
-
-def _child_run(tmp_path, name, devices, *args):
-  """Trains in a fresh process on `devices` CPU devices: (metrics lines, {param path: [shard shape, spec]})."""
-  metrics = tmp_path / f"{name}.jsonl"
-  overrides = tiny_args(f"base_output_directory={tmp_path}", f"metrics_file={metrics}", *_RUN, *args)
-  env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
-  result = run_python(["-c", _CHILD, "train", BASE_YML, f"run_name={name}", *overrides], env_extra=env)
-  assert result.returncode == 0, result.stderr[-3000:]
-  with open(f"{metrics}.shapes.json", encoding="utf-8") as f:
-    report = json.load(f)
-  assert report["devices"] == devices
-  with open(metrics, encoding="utf-8") as f:
-    return [json.loads(line) for line in f], report["params"]
-
-
-def _moe_shards(params, name):
-  return params[f"['decoder']['layers']['MoeBlock_0']['{name}']"]
-
-
-def _assert_same_losses(eight, one):
-  for key in ("learning/loss", "learning/moe_lb_loss"):
-    np.testing.assert_allclose([m[key] for m in eight], [m[key] for m in one], rtol=1e-5)
-
-
-@pytest.mark.slow  # a second training process on 8 CPU devices (about 30 s)
-def test_expert_parallel_loss_equals_one_device_loss(tmp_path, one_device_run):
-  _, one = one_device_run
-  eight, params = _child_run(tmp_path, "eight", 8, "per_device_batch_size=1", "ici_expert_parallelism=4")
-  _assert_same_losses(eight, one)
-  # Experts over `expert` (4), the embed dim over fsdp (the remaining 2); the scanned layer axis stays whole.
-  for name in ("wi_0", "wi_1"):
-    shard, spec = _moe_shards(params, name)
-    assert shard == [E // 4, 2, 32 // 2, 64] and "expert" in spec, (name, shard, spec)
-  shard, spec = _moe_shards(params, "wo")
-  assert shard == [E // 4, 2, 64, 32 // 2] and "expert" in spec, (shard, spec)
-
-
-@pytest.mark.slow  # training processes on 1 and 8 CPU devices (about a minute)
-def test_expert_and_tensor_parallel_losses_equal_one_device_losses(tmp_path, one_device_run):
-  """Dropless with the mlp dim split over `tensor` (partial sums added), and the capacity dispatch."""
-  _, one = one_device_run
-  parallel = ("per_device_batch_size=1", "ici_expert_parallelism=4", "ici_tensor_parallelism=2")
-  eight, params = _child_run(tmp_path, "tensor", 8, *parallel)
-  _assert_same_losses(eight, one)
-  assert _moe_shards(params, "wi_0")[0] == [E // 4, 2, 32, 64 // 2]
-  assert _moe_shards(params, "wo")[0] == [E // 4, 2, 64 // 2, 32]
-
-  one_capacity, _ = _child_run(tmp_path, "one_capacity", 1, "per_device_batch_size=8", "capacity_factor=1.0")
-  eight_capacity, _ = _child_run(tmp_path, "eight_capacity", 8, *parallel, "capacity_factor=1.0")
-  _assert_same_losses(eight_capacity, one_capacity)
-  assert not np.allclose([m["learning/loss"] for m in one_capacity], [m["learning/loss"] for m in one], rtol=1e-5)
