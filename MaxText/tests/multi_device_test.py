@@ -2,7 +2,7 @@
 the train state, the KV cache and an activation sharded as logical_axis_rules say.
 
 One child process (sharded_runs.py) runs every layout: the device count is fixed at JAX start-up, and a config
-made for the first device gives the 1-device baselines in the same process, so each program compiles once.
+made for the first device gives the 1-device baselines in the same process, so all share one start-up.
 """
 
 import json
