@@ -26,6 +26,7 @@ HARDWARE = ("auto", "cpu", "gpu", "gpu_multiprocess", "tpu")
 XLA_FLAGS_PRESETS = ("", "a3mega")  # "" = none; the flags are in xla_flag_presets.PRESETS
 JAX_DISTRIBUTED_INIT = ("auto", "always", "never")
 STEP_WATCHDOG = ("auto", "true", "false")
+PROFILERS = ("", "xplane", "nsys")  # "" = off
 DECODE_SAMPLING_STRATEGIES = ("greedy", "weighted", "nucleus", "topk")
 COMPILE_SEARCHES = ("", "per_device_batch_size", "per_device_batch_size,remat_policy")
 

@@ -17,6 +17,7 @@ _CHOICES = {
   "xla_flags_preset": common_types.XLA_FLAGS_PRESETS,
   "jax_distributed_init": common_types.JAX_DISTRIBUTED_INIT,
   "step_watchdog": common_types.STEP_WATCHDOG,
+  "profiler": common_types.PROFILERS,
   "compile_search": common_types.COMPILE_SEARCHES,
   "decode_sampling_strategy": common_types.DECODE_SAMPLING_STRATEGIES,
 }
@@ -36,6 +37,7 @@ _POSITIVE_INTS = (
   "rope_max_timescale",
   "stack_trace_interval_seconds",
   "step_watchdog_min_seconds",
+  "profiler_steps",
   "distributed_init_timeout",
   "num_experts",
   "num_experts_per_tok",
@@ -272,6 +274,18 @@ def _check_decoding(v):
     )
 
 
+def _check_diagnostics(v):
+  skip = v["skip_first_n_steps_for_profiler"]
+  if skip < 0:
+    raise ConfigError(f"skip_first_n_steps_for_profiler={skip} must be >= 0")
+  steps = v["steps"] if v["steps"] != -1 else v["learning_rate_schedule_steps"]
+  if v["profiler"] and skip >= steps:
+    raise ConfigError(
+      f"profiler={v['profiler']} with skip_first_n_steps_for_profiler={skip} skips every one of the {steps} steps; "
+      "lower it or raise steps"
+    )
+
+
 def validate_static(values: dict) -> None:
   """Raises ConfigError for the first invalid value. Needs no devices and no JAX."""
   _check_choices(values)
@@ -283,3 +297,4 @@ def validate_static(values: dict) -> None:
   _check_checkpointing(values)
   _check_data(values)
   _check_decoding(values)
+  _check_diagnostics(values)

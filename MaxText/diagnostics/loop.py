@@ -1,4 +1,4 @@
-"""What the training loop calls around its steps: the step watchdog, and a test's injected hang."""
+"""What the training loop calls around its steps: the profiler, the step watchdog, and a test's injected hang."""
 
 import contextlib
 import os
@@ -8,7 +8,7 @@ import jax
 
 from MaxText import max_logging
 from MaxText.checkpointing import FAULT_INJECTION_ENV
-from MaxText.diagnostics import watchdog
+from MaxText.diagnostics import profiler, watchdog
 
 
 def _injected_hang_step() -> int | None:
@@ -30,27 +30,30 @@ class LoopDiagnostics:
   """The diagnostics of one run of the step loop; `close()` it when the loop ends."""
 
   def __init__(self, config, start_step: int):
+    self.profiler = profiler.Profiler(config, start_step)
     self.watchdog = watchdog.create(config, start_step)
     self._hang_step = _injected_hang_step()
 
   @contextlib.contextmanager
   def step(self, step: int, state):
-    """Around getting a batch and dispatching step `step`."""
-    del state
+    """Around getting a batch and dispatching step `step` (the profiler's trace names the step)."""
     if step == self._hang_step:
       _hang(step)
-    yield
+    self.profiler.before_step(step, state)
+    with jax.profiler.StepTraceAnnotation("train", step_num=step):
+      yield
 
   def after_step(self, step: int, metrics) -> None:
-    """After the step's metrics were handed to the logger: the heartbeat."""
-    del metrics
+    """After the step's metrics were handed to the logger: the heartbeat, and the profiler's last step."""
     if self.watchdog is not None:
       self.watchdog.beat(step)
+    self.profiler.after_step(step, metrics)
 
   def activity(self, name: str):
     """A context for work between steps (an eval, a checkpoint save), which the watchdog times on its own."""
     return self.watchdog.activity(name) if self.watchdog is not None else contextlib.nullcontext()
 
   def close(self) -> None:
+    self.profiler.stop()
     if self.watchdog is not None:
       self.watchdog.close()

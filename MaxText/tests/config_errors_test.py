@@ -52,6 +52,12 @@ CASES = [
   (["head_dim=7"], {}, "head_dim=7 must be even"),
   (["step_watchdog=maybe"], {}, "step_watchdog=maybe is not valid; choose one of: auto, true, false"),
   (["step_watchdog_factor=0.5"], {}, "step_watchdog_factor=0.5 must be >= 1"),
+  (["profiler=tensorboard"], {}, 'profiler=tensorboard is not valid; choose one of: "" (none), xplane, nsys'),
+  (
+    ["profiler=xplane", "steps=3", "skip_first_n_steps_for_profiler=3"],
+    {},
+    "profiler=xplane with skip_first_n_steps_for_profiler=3 skips every one of the 3 steps",
+  ),
   (
     ["metrics_file=/proc/no/metrics.jsonl", "base_emb_dim=32", "base_num_decoder_layers=1"],
     {},
