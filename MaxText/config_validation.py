@@ -284,6 +284,13 @@ def _check_diagnostics(v):
       f"profiler={v['profiler']} with skip_first_n_steps_for_profiler={skip} skips every one of the {steps} steps; "
       "lower it or raise steps"
     )
+  if v["use_vertex_tensorboard"]:
+    if not v["vertex_tensorboard_region"]:
+      raise ConfigError("use_vertex_tensorboard=true needs vertex_tensorboard_region, e.g. us-central1")
+    if not v["enable_tensorboard"]:
+      raise ConfigError(
+        "use_vertex_tensorboard=true uploads the TensorBoard directory, which enable_tensorboard=false leaves empty"
+      )
 
 
 def validate_static(values: dict) -> None:

@@ -205,11 +205,14 @@ def _saved_note(config, manager, last_saved) -> str:
 def main(argv: list[str]) -> None:
   config = pyconfig.initialize(argv, required_keys=("run_name",))
   from MaxText import jax_runtime, max_logging  # pylint: disable=import-outside-toplevel
-  from MaxText.diagnostics import stack_traces  # pylint: disable=import-outside-toplevel
+  from MaxText.diagnostics import stack_traces, vertex_tensorboard  # pylint: disable=import-outside-toplevel
 
   max_logging.configure(config.log_all_processes)
   jax_runtime.enable_compilation_cache(config.jax_cache_dir)
-  with stack_traces.collect(config.collect_stack_trace, config.stack_trace_to_cloud, config.stack_trace_interval_seconds):
+  with (
+    stack_traces.collect(config.collect_stack_trace, config.stack_trace_to_cloud, config.stack_trace_interval_seconds),
+    vertex_tensorboard.upload(config),
+  ):
     train_loop(config)
 
 

@@ -58,6 +58,12 @@ CASES = [
     {},
     "profiler=xplane with skip_first_n_steps_for_profiler=3 skips every one of the 3 steps",
   ),
+  (["use_vertex_tensorboard=true"], {}, "use_vertex_tensorboard=true needs vertex_tensorboard_region, e.g. us-central1"),
+  (
+    ["use_vertex_tensorboard=true", "vertex_tensorboard_region=us-central1", "enable_tensorboard=false"],
+    {},
+    "use_vertex_tensorboard=true uploads the TensorBoard directory, which enable_tensorboard=false leaves empty",
+  ),
   (
     ["metrics_file=/proc/no/metrics.jsonl", "base_emb_dim=32", "base_num_decoder_layers=1"],
     {},
