@@ -15,6 +15,7 @@ from etils import epath
 
 from MaxText import flops as flops_lib
 from MaxText import max_logging
+from MaxText.diagnostics import plots
 from MaxText.errors import UserError
 
 _TENSORBOARD_FLUSH_SECONDS = 30
@@ -55,6 +56,8 @@ class MetricLogger:
     self._recent_step_times = []
     self._steps_written = 0
     self.data_exhausted = False  # set once a step had no real token on any process
+    self.history = plots.History()  # the plotted values, for the end-of-run plot when there is no metrics file
+    self._last_line = None  # (step, record, file offset) of the last metrics-file line, which an eval joins
     self._metrics_file = None
     if config.metrics_file and jax.process_index() == 0:
       try:
@@ -92,6 +95,18 @@ class MetricLogger:
       for name, value in metrics.items():
         self.writer.add_scalar(name, value, step)
       self.writer.flush()
+    self.history.add(step, metrics)
+    self._add_to_last_line(step, metrics)
+
+  def _add_to_last_line(self, step: int, metrics: dict) -> None:
+    """An eval's metrics join the metrics-file line of the step it follows: the file keeps one line per step."""
+    if self._metrics_file is None or self._last_line is None or self._last_line[0] != step:
+      return
+    _, record, offset = self._last_line
+    record.update({name: float(value) for name, value in metrics.items()})
+    self._metrics_file.truncate(offset)  # the line was the file's last: rewrite it with the eval's keys
+    self._metrics_file.write(json.dumps(record) + "\n")
+    self._metrics_file.flush()
 
   def _perf_metrics(self, seconds: float) -> dict:
     tflops_per_sec = self.step_flops.total_tflops / seconds
@@ -125,8 +140,11 @@ class MetricLogger:
     host.update(self._perf_metrics(seconds))
     self._log_line(step, host)
     self._write_tensorboard(step, host)
+    self.history.add(step, host)
     if self._metrics_file is not None:
-      self._metrics_file.write(json.dumps({"step": float(step), "run_name": self.config.run_name, **host}) + "\n")
+      record = {"step": float(step), "run_name": self.config.run_name, **host}
+      self._last_line = (step, record, self._metrics_file.tell())
+      self._metrics_file.write(json.dumps(record) + "\n")
       self._metrics_file.flush()
 
   def _log_line(self, step: int, m: dict) -> None:

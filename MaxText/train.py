@@ -91,6 +91,7 @@ def _run_steps(config, mesh, model, state, state_shardings, p_train_step, data_i
   # pylint: disable=import-outside-toplevel
   from MaxText import checkpointing, evaluation, max_logging, metric_logger, sharding, train_step
   from MaxText.diagnostics import loop as diagnostics_loop
+  from MaxText.diagnostics import plots
 
   start_step = int(state.step)
   if start_step >= config.steps:
@@ -155,6 +156,7 @@ def _run_steps(config, mesh, model, state, state_shardings, p_train_step, data_i
     watcher.close()
   if manager is not None:
     manager.wait_until_finished()
+  plots.write_run_plot(config, logger.history)
   if stop_reason:
     max_logging.log(
       f"Stopping because {stop_reason}: the last step is {last_step}; {_saved_note(config, manager, last_saved)}."

@@ -1,0 +1,39 @@
+"""Plots loss, eval loss, learning rate, tokens/s and MFU over steps from metrics files, several to compare:
+
+    python3 MaxText/plot_metrics.py maxtext_output/a/metrics.jsonl maxtext_output/b/metrics.jsonl --output ab.png
+
+A metrics file is what metrics_file=... writes during training (one JSON object per step; the steps followed by an
+eval also hold eval/loss). Each run is a line in every panel, labelled by its run_name.
+"""
+
+import argparse
+import os
+import sys
+
+if __package__ in (None, ""):  # Run as `python3 MaxText/plot_metrics.py`: import MaxText from this checkout.
+  sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+from MaxText import max_logging  # pylint: disable=wrong-import-position
+from MaxText.diagnostics import plots  # pylint: disable=wrong-import-position
+from MaxText.errors import UserError, run_and_exit_on_user_error  # pylint: disable=wrong-import-position
+
+
+def main(argv: list[str]) -> None:
+  parser = argparse.ArgumentParser(prog="plot_metrics.py", description=__doc__.split("\n\n", 1)[0])
+  parser.add_argument("metrics_files", nargs="+", metavar="METRICS_FILE", help="JSON-lines files from metrics_file=")
+  parser.add_argument("--output", default="metrics.png", help="the PNG to write (default: metrics.png)")
+  parser.add_argument("--title", default="MaxText metrics", help="the figure's title")
+  args = parser.parse_args(argv[1:])
+  runs = [plots.read_metrics_file(path) for path in args.metrics_files]
+  png = plots.draw(dict(zip(plots.labels_for(args.metrics_files, runs), runs)), title=args.title)
+  try:
+    with open(args.output, "wb") as f:
+      f.write(png)
+  except OSError as e:
+    raise UserError(f"--output {args.output} cannot be written: {e.strerror or e}") from None
+  steps = sum(len(r) for r in runs)
+  max_logging.log(f"Wrote {args.output}: {len(runs)} run(s), {steps} metrics lines")
+
+
+if __name__ == "__main__":
+  run_and_exit_on_user_error(main, sys.argv)
