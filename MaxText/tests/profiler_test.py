@@ -142,3 +142,29 @@ def test_training_with_nsys_calls_the_cuda_profiler_around_the_steps(tmp_path, f
     next(line for line in lines if line.startswith("The profile of steps 1-2 (nsys) went to the report"))
   )
   assert "WARNING" not in result.stderr
+
+
+def test_diagnostics_keys_leave_the_compiled_step_alone():
+  from MaxText import compiled_step_file  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.helpers import tiny_config  # pylint: disable=import-outside-toplevel
+
+  diagnostics = tiny_config(
+    "collect_stack_trace=true",
+    "stack_trace_to_cloud=true",
+    "stack_trace_interval_seconds=5",
+    "step_watchdog=true",
+    "step_watchdog_factor=3",
+    "step_watchdog_min_seconds=7",
+    "profiler=xplane",
+    "upload_all_profiler_results=true",
+    "skip_first_n_steps_for_profiler=2",
+    "profiler_steps=3",
+    "enable_tensorboard=true",
+    "use_vertex_tensorboard=true",
+    "vertex_tensorboard_project=p",
+    "vertex_tensorboard_region=us-central1",
+  )
+  devices = jax.devices()
+  assert compiled_step_file.step_signature(diagnostics, devices) == compiled_step_file.step_signature(
+    tiny_config("enable_tensorboard=true"), devices
+  )
