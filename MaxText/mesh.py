@@ -8,20 +8,21 @@ from jax.sharding import Mesh
 from MaxText import max_logging
 
 
-def slice_attribute(devices) -> str:
-  """The device attribute that tells slices apart.
+def slice_attribute(devices) -> str | None:
+  """The device attribute that tells slices apart, or None for devices that form one slice.
 
-  TPU slices and GPU hosts set `slice_index`. CPU devices are all in slice 0, so there each process of a
-  multi-process job counts as one slice (which lets tests exercise dcn_* axes across processes).
+  TPU slices and GPU hosts set `slice_index` (a single TPU slice's topology devices have none). CPU devices
+  are all in slice 0, so there each process of a multi-process job counts as one slice (which lets tests
+  exercise dcn_* axes across processes).
   """
-  if devices[0].platform == "cpu" or not hasattr(devices[0], "slice_index"):
+  if devices[0].platform == "cpu":
     return "process_index"
-  return "slice_index"
+  return "slice_index" if hasattr(devices[0], "slice_index") else None
 
 
 def count_slices(devices) -> int:
   attribute = slice_attribute(devices)
-  return len({getattr(d, attribute) or 0 for d in devices})
+  return len({getattr(d, attribute) or 0 for d in devices}) if attribute else 1
 
 
 def create_device_mesh(config, devices=None) -> Mesh:
