@@ -32,6 +32,7 @@ _OUTSIDE_THE_STEP = {
   "grain_worker_count", "hf_path", "hf_data_dir", "hf_train_files", "hf_eval_files", "hf_eval_split",
   "eval_interval", "eval_steps", "eval_per_device_batch_size", "target_eval_loss", "global_batch_size_to_load_eval",
   "compile_topology", "compile_topology_num_slices", "compiled_trainstep_file", "compile_search",
+  "numerics_debug_config",  # the file's content is in the derived key numerics_debug, which is in the signature
 }  # fmt: skip
 
 

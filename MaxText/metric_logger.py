@@ -42,11 +42,17 @@ def _format_eta(seconds: float) -> str:
 
 
 class MetricLogger:
-  """Writes one console line, one set of TensorBoard scalars and one metrics_file line per completed step."""
+  """Writes one console line, one set of TensorBoard scalars and one metrics_file line per completed step.
 
-  def __init__(self, config, start_step: int, writer=None):
+  A step's metrics may also hold dicts of arrays (numerics statistics, the non-finite report): they are not
+  logged as scalars but handed, with the step's scalars, to each observer, called as observer(step, scalars,
+  nested) once the step is written (diagnostics.nonfinite.HostCheck, diagnostics.numerics_log.StatsWriter).
+  """
+
+  def __init__(self, config, start_step: int, writer=None, observers=()):
     self.config = config
     self.writer = writer
+    self.observers = list(observers)
     self.step_flops = flops_lib.training_tflops_per_device(config)
     self.tokens_per_step = flops_lib.tokens_per_device_per_step(config)
     self.peak_tflops = flops_lib.peak_tflops_per_device(jax.devices()[0].device_kind)
@@ -127,7 +133,9 @@ class MetricLogger:
     return float(np.median(self._recent_step_times)) * (self.config.steps - 1 - step)
 
   def _write(self, step: int, device_metrics) -> None:
-    host = {k: float(v) for k, v in jax.device_get(device_metrics).items()}  # blocks on this step only
+    host = jax.device_get(device_metrics)  # blocks on this step only
+    nested = {k: host.pop(k) for k in [k for k, v in host.items() if isinstance(v, dict)]}
+    host = {k: float(v) for k, v in host.items()}
     if host["learning/total_weights"] == 0:
       self.data_exhausted = True  # all padding on every process: the data is used up, the step changed nothing
       return
@@ -146,6 +154,8 @@ class MetricLogger:
       self._last_line = (step, record, self._metrics_file.tell())
       self._metrics_file.write(json.dumps(record) + "\n")
       self._metrics_file.flush()
+    for observer in self.observers:
+      observer(step, host, nested)
 
   def _log_line(self, step: int, m: dict) -> None:
     # grad_norm is the norm before clipping: the clipped one only repeats the threshold once clipping starts.

@@ -14,6 +14,7 @@ import os
 import yaml
 
 from MaxText import common_types, config_loader, config_validation, xla_flag_presets
+from MaxText.diagnostics import numerics_config
 from MaxText.errors import ConfigError
 
 SOURCE_DERIVED = "derived"
@@ -112,11 +113,29 @@ def resolve_asset_path(path: str, config_path: str) -> str | None:
   return None
 
 
+def _numerics_debug(values, sources):
+  """Reads numerics_debug_config into the derived numerics_debug: its canonical content ({} when off), which the
+  compiled step's signature then holds. A mistake in the file is a ConfigError naming the section and field."""
+  path, content = values["numerics_debug_config"], {}
+  if path:
+    found = resolve_asset_path(path, values["config_path"])
+    if found is None or _is_remote(found):
+      raise ConfigError(
+        f"numerics_debug_config={path} does not exist (a local YAML file; tried the cwd, {config_loader.PACKAGE_DIR} "
+        "and the config's directory)"
+      )
+    _normalise(values, "numerics_debug_config", found)
+    blocks = values["num_decoder_layers"] // common_types.DECODER_LAYERS_PER_BLOCK.get(values["decoder_block"], 1)
+    content = numerics_config.load(found, blocks).to_plain()
+  _set(values, sources, "numerics_debug", content)
+
+
 def _derive_static(values, sources, environ):
   if not values["run_name"] and environ.get("JOBSET_NAME"):
     values["run_name"], sources["run_name"] = environ["JOBSET_NAME"], f"{config_loader.SOURCE_ENV} JOBSET_NAME"
     config_validation.check_run_name(values["run_name"], origin="JOBSET_NAME")
   _scaled_dims(values, sources)
+  _numerics_debug(values, sources)
   out = str(values["base_output_directory"])
   if not _is_remote(out):
     _normalise(values, "base_output_directory", os.path.abspath(os.path.expanduser(out)))

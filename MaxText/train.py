@@ -91,7 +91,7 @@ def _run_steps(config, mesh, model, state, state_shardings, p_train_step, data_i
   # pylint: disable=import-outside-toplevel
   from MaxText import checkpointing, evaluation, max_logging, metric_logger, sharding, train_step
   from MaxText.diagnostics import loop as diagnostics_loop
-  from MaxText.diagnostics import plots
+  from MaxText.diagnostics import numerics_log, plots
 
   start_step = int(state.step)
   if start_step >= config.steps:
@@ -101,7 +101,9 @@ def _run_steps(config, mesh, model, state, state_shardings, p_train_step, data_i
     return state
   _log_run_start(config, state)
   p_eval_step = train_step.jit_eval_step(model, config, mesh, state_shardings) if config.eval_interval > 0 else None
-  logger = metric_logger.MetricLogger(config, start_step, metric_logger.create_tensorboard_writer(config))
+  writer = metric_logger.create_tensorboard_writer(config)
+  observers = numerics_log.observers(config, state.params, writer, start_step)
+  logger = metric_logger.MetricLogger(config, start_step, writer, observers)
   watcher = checkpointing.PreemptionWatcher()
   diagnostics = diagnostics_loop.LoopDiagnostics(config, start_step)
   used_up = f"the training data is used up (num_epoch={config.num_epoch})"

@@ -11,20 +11,23 @@ import jax.numpy as jnp
 import optax
 
 from MaxText import compiled_step_file, max_logging, memory_check, sharding
+from MaxText.diagnostics import numerics_stats, numerics_taps
 from MaxText.input_pipeline.packing import BATCH_KEYS
 from MaxText.layers import moe
 from MaxText.optimizers import create_learning_rate_schedule
 
 
-def _loss_terms(model, config, params, batch, dropout_rng, train: bool):
+def _loss_terms(model, config, params, batch, dropout_rng, train: bool, numerics=None):
   """The summed loss to differentiate, and (real target tokens, the load-balancing part of that loss).
 
   The loss is the summed token cross-entropy plus, in training, load_balance_loss_weight x the MoE
   load-balancing loss x the real tokens: dividing the sums by all tokens, as for the cross-entropy, then
-  averages it over microbatches. Eval (train=False) is cross-entropy only.
+  averages it over microbatches. Eval (train=False) is cross-entropy only. With `numerics` (the inputs of the
+  numerics statistics taps) the aux also holds the sown collections, where the taps put their reductions.
   """
+  variables = {"params": params} if numerics is None else {"params": params, numerics_taps.COLLECTION: numerics}
   logits, sown = model.apply(
-    {"params": params},
+    variables,
     batch["inputs"],
     batch["inputs_position"],
     batch["inputs_segmentation"],
@@ -38,7 +41,8 @@ def _loss_terms(model, config, params, batch, dropout_rng, train: bool):
   moe_lb = jnp.zeros((), jnp.float32)
   if train:
     moe_lb = config.load_balance_loss_weight * moe.load_balancing_loss(sown, config.num_experts) * total_weights
-  return jnp.sum(xent * weights) + moe_lb, (total_weights, moe_lb)
+  aux = (total_weights, moe_lb) if numerics is None else (total_weights, moe_lb, sown)
+  return jnp.sum(xent * weights) + moe_lb, aux
 
 
 def _rows_to_train_on(config, batch):
@@ -49,39 +53,68 @@ def _rows_to_train_on(config, batch):
   return jax.tree.map(lambda x: x[:rows], batch)
 
 
-def _summed_grads(model, config, params, batch, dropout_rng):
+def _summed_grads(model, config, params, batch, dropout_rng, plan=None, numerics=None):
   """Gradient of the summed loss over all gradient_accumulation_steps microbatches, scanned one at a time.
 
   Summing per-token losses (not per-microbatch means) makes the result the large batch's gradient.
   Microbatch i takes rows i, i+G, i+2G, ... so that no row leaves the device it was loaded on.
+
+  Returns (summed loss, (real target tokens, load-balancing loss), grads, reductions): with a statistics `plan`
+  and its step inputs `numerics`, the loss is also differentiated with respect to the inputs (whose gradient
+  holds the activation gradients' reductions, see numerics_taps) and `reductions` are the whole batch's raw
+  reductions; without, None.
   """
-  grad_fn = jax.value_and_grad(_loss_terms, argnums=2, has_aux=True)
+
+  def grads_of(microbatch, rng):
+    if plan is None:
+      (loss, aux), grads = jax.value_and_grad(_loss_terms, argnums=2, has_aux=True)(
+        model, config, params, microbatch, rng, True
+      )
+      return loss, aux, grads, None
+    grad_fn = jax.value_and_grad(_loss_terms, argnums=(2, 6), has_aux=True)
+    (loss, (weights, moe_lb, sown)), (grads, numerics_grad) = grad_fn(model, config, params, microbatch, rng, True, numerics)
+    return loss, (weights, moe_lb), grads, plan.reductions(sown, numerics_grad)
+
   steps = config.gradient_accumulation_steps
   if steps == 1:
-    (total_loss, aux), grads = grad_fn(model, config, params, batch, dropout_rng, True)
-    return total_loss, aux, grads
+    return grads_of(batch, dropout_rng)
 
   def to_microbatches(x):  # (B, T) -> (G, B/G, T)
     return jnp.swapaxes(x.reshape(x.shape[0] // steps, steps, *x.shape[1:]), 0, 1)
 
   def accumulate(carry, microbatch_and_index):
     microbatch, index = microbatch_and_index
-    (loss, aux), grads = grad_fn(model, config, params, microbatch, jax.random.fold_in(dropout_rng, index), True)
-    acc_loss, acc_aux, acc_grads = carry
-    return (acc_loss + loss, jax.tree.map(jnp.add, acc_aux, aux), jax.tree.map(jnp.add, acc_grads, grads)), None
+    loss, aux, grads, reductions = grads_of(microbatch, jax.random.fold_in(dropout_rng, index))
+    acc_loss, acc_aux, acc_grads, acc_reductions = carry
+    if plan is not None:
+      acc_reductions = numerics_stats.combine(acc_reductions, reductions)
+    return (
+      acc_loss + loss,
+      jax.tree.map(jnp.add, acc_aux, aux),
+      jax.tree.map(jnp.add, acc_grads, grads),
+      acc_reductions,
+    ), None
 
   zero = jnp.zeros((), jnp.float32)
-  init = (zero, (zero, zero), jax.tree.map(jnp.zeros_like, params))
+  init = (zero, (zero, zero), jax.tree.map(jnp.zeros_like, params), None if plan is None else plan.identity(numerics))
   microbatches = jax.tree.map(to_microbatches, batch)
-  (total_loss, aux, grads), _ = jax.lax.scan(accumulate, init, (microbatches, jnp.arange(steps)))
-  return total_loss, aux, grads
+  (total_loss, aux, grads, reductions), _ = jax.lax.scan(accumulate, init, (microbatches, jnp.arange(steps)))
+  return total_loss, aux, grads, reductions
 
 
 def train_step(model, config, state, batch):
-  """One optimizer update. Returns (new_state, metrics) with scalar metrics for logging."""
+  """One optimizer update. Returns (new_state, metrics) with scalar metrics for logging.
+
+  With numerics_debug_config's statistics, metrics["numerics"] holds them (numerics_stats.Plan.finalize).
+  """
   batch = _rows_to_train_on(config, batch)
   dropout_rng = jax.random.fold_in(jax.random.PRNGKey(config.init_weights_seed), state.step)
-  total_loss, (total_weights, moe_lb), summed_grads = _summed_grads(model, config, state.params, batch, dropout_rng)
+  plan, numerics = numerics_stats.create_plan(config, state.params), None
+  if plan is not None:  # gradients of the mean loss: divided by the real target tokens, as `grads` below
+    numerics = plan.step_inputs(state.step, 1.0 / jnp.maximum(jnp.sum(batch["targets_segmentation"] != 0), 1.0))
+  total_loss, (total_weights, moe_lb), summed_grads, reductions = _summed_grads(
+    model, config, state.params, batch, dropout_rng, plan, numerics
+  )
   denominator = jnp.maximum(total_weights, 1.0)  # An all-padding batch gives zero loss and no update.
   grads = jax.tree.map(lambda g: g / denominator, summed_grads)
   # A batch of padding only (the data ran out on every process) must not move the weights (momentum,
@@ -102,6 +135,8 @@ def train_step(model, config, state, batch):
   }
   if config.num_experts > 1:  # learning/loss includes this term (what is minimised), as upstream MaxText's
     metrics["learning/moe_lb_loss"] = moe_lb / denominator
+  if plan is not None:
+    metrics[numerics_stats.METRICS_KEY] = plan.finalize(reductions)
   return new_state, metrics
 
 

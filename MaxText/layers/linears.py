@@ -6,9 +6,9 @@ from collections.abc import Sequence
 
 import flax.linen as nn
 import jax.numpy as jnp
-from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from MaxText.diagnostics import numerics_taps
 from MaxText.layers import initializers
 
 ACTIVATIONS = {
@@ -57,7 +57,8 @@ class DenseGeneral(nn.Module):
     )
     inputs = inputs.astype(self.dtype)
     kernel = kernel.astype(self.dtype)
-    out = lax.dot_general(inputs, kernel, ((axis, in_axes), ((), ())))
+    # The one GEMM of every dense layer: numerics statistics tap it here (see numerics_taps).
+    out = numerics_taps.dot_general(self, inputs, kernel, ((axis, in_axes), ((), ())))
     if self.use_bias:
       bias_axes = tuple(self.kernel_axes)[len(kernel_in) :]
       bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, bias_axes), features, self.weight_dtype)

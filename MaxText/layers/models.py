@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from MaxText import common_types
+from MaxText.diagnostics import numerics_taps
 from MaxText.layers import block_parts, gemma, gemma2, gpt3
 from MaxText.layers.attentions import soft_cap
 from MaxText.layers.block_parts import DecoderFamily
@@ -29,6 +30,10 @@ DECODER_BLOCKS = {
   "gpt3": gpt3.FAMILY,
   "qwen3": DecoderFamily(Qwen3DecoderLayer),
 }
+
+# Collections that the scanned layers stack on axis 0 besides their params: sown statistics (e.g. MoE routing, for
+# the load-balancing loss), KV caches, and the per-layer inputs of the numerics statistics (numerics_taps).
+STACKED_COLLECTIONS = {"intermediates": 0, "cache": 0, numerics_taps.COLLECTION: 0}
 
 _cp = jax.checkpoint_policies
 _QKV = ("query_proj", "value_proj", "key_proj", "qkv_proj")
@@ -106,8 +111,7 @@ class Decoder(nn.Module):
     if cfg.scan_layers:
       stack = nn.scan(
         block,
-        # Sown statistics (e.g. MoE routing, for the load-balancing loss) and KV caches stack over layers on axis 0.
-        variable_axes={"params": cfg.param_scan_axis, "intermediates": 0, "cache": 0},
+        variable_axes={"params": cfg.param_scan_axis, **STACKED_COLLECTIONS},
         split_rngs={"params": True, "dropout": True},
         in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
         length=num_blocks(cfg),

@@ -106,3 +106,21 @@ def finish_processes(procs, timeout: int = 600) -> tuple[list[int], list[str]]:
     for p in procs:
       p.kill()
   return [p.returncode for p in procs], outputs
+
+
+def token_batch(rows: int = 2, length: int = 32, seed: int = 0, segmentation=None) -> dict:
+  """A train batch (every key of packing.BATCH_KEYS) of random tokens; `segmentation` (rows, length) marks padding 0."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  tokens = jax.random.randint(jax.random.PRNGKey(seed), (rows, length + 1), 0, 4096)
+  positions = jnp.broadcast_to(jnp.arange(length), (rows, length))
+  segmentation = jnp.ones((rows, length), jnp.int32) if segmentation is None else segmentation
+  return {
+    "inputs": tokens[:, :-1],
+    "inputs_position": positions,
+    "inputs_segmentation": segmentation,
+    "targets": tokens[:, 1:],
+    "targets_position": positions,
+    "targets_segmentation": segmentation,
+  }

@@ -9,23 +9,14 @@ import optax
 import pytest
 
 from MaxText import common_types, layer_stacking, mesh, optimizers, sharding, train_state, train_step
-from MaxText.tests.helpers import tiny_config
+from MaxText.tests.helpers import tiny_config, token_batch
 
 
 def _batch(rows, length=32, seed=0, pad_from=None):
-  tokens = jax.random.randint(jax.random.PRNGKey(seed), (rows, length + 1), 0, 4096)
-  positions = jnp.broadcast_to(jnp.arange(length), (rows, length))
   segmentation = jnp.ones((rows, length), jnp.int32)
   if pad_from is not None:
     segmentation = segmentation.at[:, pad_from:].set(0)
-  return {
-    "inputs": tokens[:, :-1],
-    "inputs_position": positions,
-    "inputs_segmentation": segmentation,
-    "targets": tokens[:, 1:],
-    "targets_position": positions,
-    "targets_segmentation": segmentation,
-  }
+  return token_batch(rows, length, seed, segmentation)
 
 
 def _loss_and_grads(config, params, batch):

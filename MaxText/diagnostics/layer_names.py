@@ -1,0 +1,122 @@
+"""Names of the model's dense layers and parameters, as the numerics debug YAML and the diagnostics reports use them.
+
+A name is the parameter path of a module joined by dots, with the layer index written the same way for scanned
+and unrolled layers: the scanned params decoder/layers/self_attention/out/kernel (stacked over layers on
+param_scan_axis) and the unrolled decoder/layers_4/self_attention/out/kernel both give
+`decoder.layers.4.self_attention.out` for layer 4 (whose number, counted from 1 as TransformerEngine's, is 5).
+Gemma 2 scans pairs of layers: its names read decoder.layers.<pair>.local... and decoder.layers.<pair>.global....
+"""
+
+import dataclasses
+import re
+
+# The dense layers' types that `layer_types` selects, from the module's own name (attention: query, key, value,
+# qkv_proj, out; MLP: wi or wi_<i>, wo). Others (the MoE router `gate`, `logits_dense`) have no type.
+LAYER_TYPES = ("qkv", "attention_out", "fc1", "fc2")
+_TYPE_OF_MODULE = {"query": "qkv", "key": "qkv", "value": "qkv", "qkv_proj": "qkv", "out": "attention_out", "wo": "fc2"}
+_FC1 = re.compile(r"wi(_\d+)?")
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+_UNROLLED = re.compile(r"layers_(\d+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseLayer:
+  """One dense layer (a DenseGeneral) of one decoder layer.
+
+  Attributes:
+    name: e.g. decoder.layers.4.self_attention.out.
+    module_path: the flax module path of the DenseGeneral, without the index of scanned layers
+      (('decoder', 'layers', 'self_attention', 'out')), as the module sees itself while the model runs.
+    index: the position in the scanned stack (the scan iteration), or None for a module outside a scan.
+    kernel_shape: the kernel's shape in that layer.
+  """
+
+  name: str
+  module_path: tuple[str, ...]
+  index: int | None
+  kernel_shape: tuple[int, ...]
+
+  @property
+  def type(self) -> str | None:
+    return layer_type(self.name)
+
+  @property
+  def number(self) -> int | None:
+    return layer_number(self.name)
+
+
+def layer_type(name: str) -> str | None:
+  """qkv, attention_out, fc1, fc2, or None for a dense layer of none of these types."""
+  last = name.rsplit(".", 1)[-1]
+  return "fc1" if _FC1.fullmatch(last) else _TYPE_OF_MODULE.get(last)
+
+
+def layer_number(name: str) -> int | None:
+  """The decoder layer of a name counted from 1 (decoder.layers.0.* is layer 1); None outside the layers."""
+  match = _LAYER_INDEX.search(name)
+  return int(match.group(1)) + 1 if match else None
+
+
+def flatten(tree) -> list[tuple[tuple[str, ...], object]]:
+  """(path keys, leaf) of a params (or gradients) tree, in tree order. Imports JAX here: the YAML checks don't."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  return [
+    (tuple(str(getattr(p, "key", p)) for p in path), leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+  ]
+
+
+def scan_axis(keys: tuple[str, ...], leaf, config) -> int | None:
+  """The axis that stacks the scanned layers in the param (or gradient) at `keys`; None outside the scan.
+
+  layer_stacking's rule: param_scan_axis, or 0 for a vector (a norm's scale stacks to (layers, dim)).
+  """
+  if not (config.scan_layers and keys[:2] == ("decoder", "layers")):
+    return None
+  return config.param_scan_axis if len(leaf.shape) > 1 else 0
+
+
+def dotted(keys: tuple[str, ...], index: int | None = None) -> str:
+  """'decoder.layers.<index>.<rest>' for a scanned path and layer index; layers_<i> becomes layers.<i>."""
+  parts = [_UNROLLED.sub(r"layers.\1", k) for k in keys]
+  if index is not None:
+    parts[1] = f"layers.{index}"
+  return ".".join(parts)
+
+
+def dense_layers(params, config) -> list[DenseLayer]:
+  """Every DenseGeneral of the model (a module holding a `kernel`), with scanned layers expanded by index.
+
+  In layer order (then the param tree's order within a layer); dense layers outside the layers come last.
+
+  Args:
+    params: the params tree (arrays or jax.ShapeDtypeStructs).
+    config: the Config (scan_layers, param_scan_axis).
+  """
+  layers = []
+  for keys, leaf in flatten(params):
+    if keys[-1] != "kernel":
+      continue
+    module = keys[:-1]
+    axis = scan_axis(keys, leaf, config)
+    if axis is not None:
+      shape = tuple(d for i, d in enumerate(leaf.shape) if i != axis)
+      layers += [DenseLayer(dotted(module, i), module, i, shape) for i in range(leaf.shape[axis])]
+    else:
+      layers.append(DenseLayer(dotted(module), module, None, tuple(leaf.shape)))
+  return sorted(layers, key=lambda layer: (layer.number is None, layer.number or 0))
+
+
+def param_names(params, config) -> list[str]:
+  """The name of every parameter tensor, in the order of the flattened tree, with scanned params expanded by layer.
+
+  e.g. decoder.layers.3.mlp.wi_0.kernel; nonfinite.locate reports params and gradients by these names.
+  """
+  names = []
+  for keys, leaf in flatten(params):
+    axis = scan_axis(keys, leaf, config)
+    if axis is not None:
+      names += [dotted(keys, i) for i in range(leaf.shape[axis])]
+    else:
+      names.append(dotted(keys))
+  return names

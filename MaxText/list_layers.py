@@ -1,0 +1,51 @@
+"""Lists the model's dense layers by the names that numerics_debug_config selects:
+
+    python3 MaxText/list_layers.py MaxText/configs/base.yml [key=value ...]
+
+One line per dense layer (scanned layers expanded by index): its name (e.g. decoder.layers.4.self_attention.out,
+what layer_name_regex_pattern matches in full), its layer number (counted from 1, what layer_numbers selects),
+its type (what layer_types selects) and its kernel's shape. With numerics_debug_config=<file> it also names the
+enabled sections that select each layer. Nothing is allocated: the model is traced on shapes only.
+"""
+
+import os
+import sys
+
+if __package__ in (None, ""):  # Run as `python3 MaxText/list_layers.py`: import MaxText from this checkout.
+  sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+from MaxText import pyconfig  # pylint: disable=wrong-import-position
+from MaxText.errors import run_and_exit_on_user_error  # pylint: disable=wrong-import-position
+
+
+def layer_lines(config, params) -> list[str]:
+  """The listing of the dense layers of `params` (arrays or shapes), one line each, after a header."""
+  # pylint: disable=import-outside-toplevel
+  from MaxText.diagnostics import layer_names, numerics_config
+
+  numerics = numerics_config.from_config(config)
+  layers = layer_names.dense_layers(params, config)
+  width = max(len(layer.name) for layer in layers)
+  header = f"{'name':<{width}}  number  {'type':<13}  kernel shape"
+  lines = [header + ("  sections" if numerics else "")]
+  for layer in layers:
+    number = "-" if layer.number is None else str(layer.number)
+    line = f"{layer.name:<{width}}  {number:>6}  {layer.type or '-':<13}  {list(layer.kernel_shape)}"
+    if numerics:
+      line += "  " + (", ".join(s.name for s in numerics.sections_for(layer.name)) or "-")
+    lines.append(line)
+  return lines
+
+
+def main(argv: list[str]) -> None:
+  config = pyconfig.initialize(argv)
+  # pylint: disable=import-outside-toplevel
+  from MaxText import train_state
+  from MaxText.mesh import create_device_mesh
+
+  setup = train_state.build(config, create_device_mesh(config), params_only=True, check_memory=False)
+  print("\n".join(layer_lines(config, setup.abstract_state.params)))
+
+
+if __name__ == "__main__":
+  run_and_exit_on_user_error(main, sys.argv)
