@@ -25,6 +25,7 @@ OPTIMIZERS = ("adamw",)
 HARDWARE = ("auto", "cpu", "gpu", "gpu_multiprocess", "tpu")
 XLA_FLAGS_PRESETS = ("", "a3mega")  # "" = none; the flags are in xla_flag_presets.PRESETS
 JAX_DISTRIBUTED_INIT = ("auto", "always", "never")
+NONFINITE_ACTIONS = ("abort", "skip", "none")
 STEP_WATCHDOG = ("auto", "true", "false")
 PROFILERS = ("", "xplane", "nsys")  # "" = off
 DECODE_SAMPLING_STRATEGIES = ("greedy", "weighted", "nucleus", "topk")

@@ -16,6 +16,7 @@ _CHOICES = {
   "hardware": common_types.HARDWARE,
   "xla_flags_preset": common_types.XLA_FLAGS_PRESETS,
   "jax_distributed_init": common_types.JAX_DISTRIBUTED_INIT,
+  "nonfinite_action": common_types.NONFINITE_ACTIONS,
   "step_watchdog": common_types.STEP_WATCHDOG,
   "profiler": common_types.PROFILERS,
   "compile_search": common_types.COMPILE_SEARCHES,

@@ -91,7 +91,7 @@ def _run_steps(config, mesh, model, state, state_shardings, p_train_step, data_i
   # pylint: disable=import-outside-toplevel
   from MaxText import checkpointing, evaluation, max_logging, metric_logger, sharding, train_step
   from MaxText.diagnostics import loop as diagnostics_loop
-  from MaxText.diagnostics import numerics_log, plots
+  from MaxText.diagnostics import nonfinite, numerics_log, plots
 
   start_step = int(state.step)
   if start_step >= config.steps:
@@ -102,7 +102,7 @@ def _run_steps(config, mesh, model, state, state_shardings, p_train_step, data_i
   _log_run_start(config, state)
   p_eval_step = train_step.jit_eval_step(model, config, mesh, state_shardings) if config.eval_interval > 0 else None
   writer = metric_logger.create_tensorboard_writer(config)
-  observers = numerics_log.observers(config, state.params, writer, start_step)
+  observers = nonfinite.observers(config, state.params) + numerics_log.observers(config, state.params, writer, start_step)
   logger = metric_logger.MetricLogger(config, start_step, writer, observers)
   watcher = checkpointing.PreemptionWatcher()
   diagnostics = diagnostics_loop.LoopDiagnostics(config, start_step)
@@ -149,7 +149,8 @@ def _run_steps(config, mesh, model, state, state_shardings, p_train_step, data_i
           break
   except Exception as error:
     # Eval, data, logging: an error outside the compiled step keeps what was trained since the last checkpoint.
-    if manager is not None and not in_step:
+    # A non-finite step (nonfinite_action=abort) saves nothing: the last checkpoint is the last good state.
+    if manager is not None and not in_step and not isinstance(error, nonfinite.NonFiniteError):
       _save_before_exit(manager, logger, state, data_iterator, error, (last_saved, start_step - 1))
     raise
   finally:

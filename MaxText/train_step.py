@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from MaxText import compiled_step_file, max_logging, memory_check, sharding
-from MaxText.diagnostics import numerics_stats, numerics_taps
+from MaxText.diagnostics import nonfinite, numerics_stats, numerics_taps
 from MaxText.input_pipeline.packing import BATCH_KEYS
 from MaxText.layers import moe
 from MaxText.optimizers import create_learning_rate_schedule
@@ -105,7 +105,9 @@ def _summed_grads(model, config, params, batch, dropout_rng, plan=None, numerics
 def train_step(model, config, state, batch):
   """One optimizer update. Returns (new_state, metrics) with scalar metrics for logging.
 
-  With numerics_debug_config's statistics, metrics["numerics"] holds them (numerics_stats.Plan.finalize).
+  With numerics_debug_config's statistics, metrics["numerics"] holds them (numerics_stats.Plan.finalize); with
+  nonfinite_action abort or skip, a step with a non-finite loss or gradient does not update the params or the
+  optimizer state and metrics["nonfinite"] says where the values are (nonfinite.locate).
   """
   batch = _rows_to_train_on(config, batch)
   dropout_rng = jax.random.fold_in(jax.random.PRNGKey(config.init_weights_seed), state.step)
@@ -119,7 +121,16 @@ def train_step(model, config, state, batch):
   grads = jax.tree.map(lambda g: g / denominator, summed_grads)
   # A batch of padding only (the data ran out on every process) must not move the weights (momentum,
   # weight decay): skip the update, and do not count the step.
-  new_state = jax.lax.cond(total_weights > 0, lambda: state.apply_gradients(grads=grads), lambda: state)
+  has_tokens = total_weights > 0
+  if config.nonfinite_action == "none":
+    new_state = jax.lax.cond(has_tokens, lambda: state.apply_gradients(grads=grads), lambda: state)
+  else:  # A non-finite step keeps the params and the optimizer state, and counts as a step.
+    finite = nonfinite.is_finite(total_loss, optax.global_norm(grads))
+    new_state = jax.lax.cond(
+      has_tokens & finite,
+      lambda: state.apply_gradients(grads=grads),
+      lambda: state.replace(step=state.step + has_tokens.astype(state.step.dtype)),
+    )
 
   raw_grad_norm = optax.global_norm(grads)
   threshold = config.gradient_clipping_threshold
@@ -135,6 +146,9 @@ def train_step(model, config, state, batch):
   }
   if config.num_experts > 1:  # learning/loss includes this term (what is minimised), as upstream MaxText's
     metrics["learning/moe_lb_loss"] = moe_lb / denominator
+  if config.nonfinite_action != "none":
+    metrics[nonfinite.SKIPPED] = (~finite).astype(jnp.float32)
+    metrics[nonfinite.REPORT] = nonfinite.locate(finite, state.params, grads, config)
   if plan is not None:
     metrics[numerics_stats.METRICS_KEY] = plan.finalize(reductions)
   return new_state, metrics
