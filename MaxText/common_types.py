@@ -6,7 +6,7 @@ Each implementing module has a test asserting that its table covers exactly thes
 DECODER_BLOCKS = ("default", "llama2", "mistral", "mixtral", "gemma", "gemma2", "gpt3", "qwen3")
 # Decoder layers in one scanned block, where not 1 (Gemma 2 scans (local, global) pairs).
 DECODER_LAYERS_PER_BLOCK = {"gemma2": 2}
-ATTENTION_KERNELS = ("autoselected", "dot_product", "flash")
+ATTENTION_KERNELS = ("autoselected", "dot_product", "flash", "cudnn_flash_jax", "cudnn_flash_te")
 REMAT_POLICIES = (
   "full",
   "minimal",
@@ -16,8 +16,13 @@ REMAT_POLICIES = (
   "save_out_proj",
   "minimal_flash",
   "minimal_offloaded",
+  "minimal_with_context",
+  "save_dot_with_context_except_mlp",
+  "qkv_proj_offloaded",
   "none",
 )
+# The policies that keep the attention output ("context"): for fused attention kernels (flash, cuDNN).
+CONTEXT_REMAT_POLICIES = ("minimal_flash", "minimal_with_context", "save_dot_with_context_except_mlp")
 MLP_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_exact", "relu", "tanh", "sigmoid", "linear")
 DTYPES = ("float32", "bfloat16", "float16")
 DATASET_TYPES = ("embedded", "synthetic", "tfds", "grain", "hf")

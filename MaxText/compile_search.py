@@ -84,7 +84,9 @@ def run(argv, config) -> bool:
   if config.compile_search == "per_device_batch_size":
     policies = [config.remat_policy]
   else:
-    policies = [p for p in common_types.REMAT_POLICIES if p != "minimal_flash" or config.attention == "flash"]
+    # Saving the attention output pays only where a fused kernel would otherwise be rerun.
+    fused = config.attention != "dot_product"
+    policies = [p for p in common_types.REMAT_POLICIES if fused or p not in common_types.CONTEXT_REMAT_POLICIES]
   max_logging.log(
     f"Searching the largest per_device_batch_size that fits {config.compile_topology} for remat_policy "
     f"{', '.join(policies)}; each candidate is a compile:"

@@ -13,7 +13,7 @@ import os
 
 import yaml
 
-from MaxText import common_types, config_loader, config_validation, xla_flag_presets
+from MaxText import attention_selection, common_types, config_loader, config_validation, xla_flag_presets
 from MaxText.diagnostics import numerics_config
 from MaxText.errors import ConfigError
 
@@ -206,20 +206,9 @@ def _derive_device_values(values, sources, devices):
   detected = {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
   if values["hardware"] == "auto":
     _set(values, sources, "hardware", detected if detected in ("cpu", "gpu", "tpu") else "cpu")
-  if values["attention"] == "autoselected":
-    _set(values, sources, "attention", "flash" if detected == "tpu" else "dot_product")
-  if values["attention"] == "flash":
-    if detected != "tpu":
-      raise ConfigError(
-        f"attention=flash needs a TPU (Pallas splash kernel); this machine has {platform} devices: use dot_product"
-      )
-    length = values["max_target_length"]
-    if length % 128 or (length > 512 and length % 512):
-      raise ConfigError(f"attention=flash needs max_target_length={length} to be a multiple of 128 (of 512 above 512)")
-    if values["ici_sequence_parallelism"] != 1 or values["dcn_sequence_parallelism"] != 1:
-      raise ConfigError(
-        "attention=flash cannot shard the sequence: set ici/dcn_sequence_parallelism=1 or use attention=dot_product"
-      )
+  kernel = attention_selection.select(values, detected)
+  if kernel != values["attention"]:  # autoselected, resolved
+    _set(values, sources, "attention", kernel)
 
   from MaxText.mesh import count_slices  # pylint: disable=import-outside-toplevel  # (imports jax)
 

@@ -11,6 +11,7 @@ from jax.ad_checkpoint import checkpoint_name
 from MaxText.layers import initializers
 from MaxText.layers.embeddings import Llama3RopeScaling, apply_rotary_embedding
 from MaxText.layers.flash_attention import flash_attention
+from MaxText.layers.gpu_attention import cudnn_attention, transformer_engine_attention
 from MaxText.layers.linears import DenseGeneral
 from MaxText.layers.normalizations import RMSNorm
 
@@ -119,7 +120,8 @@ class Attention(nn.Module):
   num_query_heads: int
   num_kv_heads: int
   head_dim: int
-  attention_kernel: str = "dot_product"
+  attention_kernel: str = "dot_product"  # a common_types.ATTENTION_KERNELS name other than autoselected
+  attention_segments: str = "mask"  # cudnn_flash_jax: gpu_attention.SEGMENTS (how packed segments are masked)
   rope_min_timescale: float = 1
   rope_max_timescale: float = 10_000
   rope_scaling: Llama3RopeScaling | None = None
@@ -193,7 +195,13 @@ class Attention(nn.Module):
       mask = cache_mask(positions, self.cache_length, self.sliding_window)
       out = masked_attention(query, key, value, mask, logits_soft_cap=self.logits_soft_cap)
     else:
-      kernel = flash_attention if self.attention_kernel == "flash" else dot_product_attention
+      kernels = {
+        "dot_product": dot_product_attention,
+        "flash": flash_attention,
+        "cudnn_flash_jax": functools.partial(cudnn_attention, segments=self.attention_segments),
+        "cudnn_flash_te": transformer_engine_attention,
+      }
+      kernel = kernels[self.attention_kernel]
       out = kernel(query, key, value, segment_ids, sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)
     out = checkpoint_name(out, "context")  # (B, T, Nq, D)
     out = DenseGeneral(

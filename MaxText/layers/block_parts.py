@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import flax.linen as nn
 
+from MaxText import attention_selection
 from MaxText.layers.attentions import Attention
 from MaxText.layers.embeddings import Llama3RopeScaling
 from MaxText.layers.linears import MlpBlock
@@ -52,6 +53,7 @@ def self_attention(config, name: str = "self_attention", **family_options) -> At
     num_kv_heads=config.num_kv_heads,
     head_dim=config.head_dim,
     attention_kernel=config.attention,
+    attention_segments=attention_selection.cudnn_segments(config.dataset_type, config.packing),
     rope_min_timescale=config.rope_min_timescale,
     rope_max_timescale=config.rope_max_timescale,
     rope_scaling=rope_scaling(config),

@@ -48,6 +48,16 @@ REMAT_POLICIES = {
   "minimal_flash": _cp.save_from_both_policies(_cp.checkpoint_dots_with_no_batch_dims, _cp.save_only_these_names("context")),
   # "minimal", with what it keeps moved to host memory until the backward pass needs it (TPU, GPU).
   "minimal_offloaded": _cp.offload_dot_with_no_batch_dims(offload_src="device", offload_dst="pinned_host"),
+  # Upstream's GPU names. A fused attention kernel (cuDNN, splash) is no dot to "minimal": saving its output
+  # ("context") spares rerunning it in the backward pass.
+  "minimal_with_context": _cp.save_only_these_names(*_QKV, "out_proj", "mlpwi", "mlpwo", "context"),
+  "save_dot_with_context_except_mlp": _cp.save_only_these_names(*_QKV, "context", "out_proj"),
+  "qkv_proj_offloaded": _cp.save_and_offload_only_these_names(
+    names_which_can_be_saved=[],
+    names_which_can_be_offloaded=list(_QKV),
+    offload_src="device",
+    offload_dst="pinned_host",
+  ),
   "none": None,
 }
 

@@ -80,6 +80,7 @@ NEEDS_DEVICES = [
   ),
   (["per_device_batch_size=0.5"], {}, "per_device_batch_size=0.5 x 1 devices = 0.5 rows"),
   (["attention=flash"], {}, "attention=flash needs a TPU"),
+  (["attention=cudnn_flash_jax"], {}, "attention=cudnn_flash_jax needs a GPU (cuDNN); this machine has cpu devices"),
   (["dcn_fsdp_parallelism=2"], {}, "dcn_fsdp_parallelism=2 but there is one slice"),
   (
     ["model_name=llama2-70b"],

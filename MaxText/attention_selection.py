@@ -1,0 +1,98 @@
+"""Which attention kernel a config runs on its devices: `autoselected` resolved, each kernel's limits checked.
+
+Pure Python (pyconfig calls it once the devices are known, the devices of an AOT target included), so a
+kernel the devices or the config cannot run stops the run with one ConfigError line before anything compiles.
+"""
+
+import importlib.util
+
+from MaxText.errors import ConfigError
+
+CUDNN_DTYPES = ("bfloat16", "float16")
+TE_INSTALL = "bash setup.sh DEVICE=gpu TE=1"
+_GPU_KERNELS = ("cudnn_flash_jax", "cudnn_flash_te")
+
+
+def cudnn_segments(dataset_type: str, packing: bool) -> str:
+  """How cudnn_flash_jax masks segments (gpu_attention.SEGMENTS): "lengths" when every row holds one document
+  padded at the end (synthetic data, or packing=false), else "mask"."""
+  return "lengths" if dataset_type == "synthetic" or not packing else "mask"
+
+
+def _cudnn_obstacle(values) -> str:
+  """Why cuDNN's flash attention cannot run this config ("" when it can), naming the key."""
+  if values["dtype"] not in CUDNN_DTYPES:
+    return f"dtype={values['dtype']} (cuDNN flash attention needs {' or '.join(CUDNN_DTYPES)})"
+  if values["attn_logits_soft_cap"]:
+    return f"attn_logits_soft_cap={values['attn_logits_soft_cap']} (cuDNN has no logits soft cap)"
+  head_dim = values["head_dim"]
+  if head_dim % 8 or head_dim > 256:
+    return f"head_dim={head_dim} (cuDNN flash attention needs a multiple of 8, at most 256; 128 before Hopper)"
+  if values["ici_sequence_parallelism"] != 1 or values["dcn_sequence_parallelism"] != 1:
+    return "ici/dcn_sequence_parallelism != 1 (the cuDNN kernel cannot shard the sequence)"
+  return ""
+
+
+def _te_obstacle(values) -> str:
+  obstacle = _cudnn_obstacle(values)
+  if obstacle:
+    return obstacle
+  if values["sliding_window_size"]:
+    return f"sliding_window_size={values['sliding_window_size']} (not wired to TransformerEngine here)"
+  if cudnn_segments(values["dataset_type"], values["packing"]) == "mask":
+    return (
+      f"packing=true with dataset_type={values['dataset_type']} (TransformerEngine's kernel masks padding, not "
+      "packed segments: set packing=false or use cudnn_flash_jax)"
+    )
+  return ""
+
+
+def _check_flash(values, platform: str) -> None:
+  if platform != "tpu":
+    raise ConfigError(
+      f"attention=flash needs a TPU (Pallas splash kernel); this machine has {platform} devices: use dot_product"
+    )
+  length = values["max_target_length"]
+  if length % 128 or (length > 512 and length % 512):
+    raise ConfigError(f"attention=flash needs max_target_length={length} to be a multiple of 128 (of 512 above 512)")
+  if values["ici_sequence_parallelism"] != 1 or values["dcn_sequence_parallelism"] != 1:
+    raise ConfigError(
+      "attention=flash cannot shard the sequence: set ici/dcn_sequence_parallelism=1 or use attention=dot_product"
+    )
+
+
+def _check_gpu_kernel(kernel: str, values, platform: str) -> None:
+  if platform != "gpu":
+    raise ConfigError(
+      f"attention={kernel} needs a GPU (cuDNN); this machine has {platform} devices: use attention=dot_product "
+      "(or autoselected)"
+    )
+  obstacle = (_te_obstacle if kernel == "cudnn_flash_te" else _cudnn_obstacle)(values)
+  if obstacle:
+    raise ConfigError(f"attention={kernel} cannot run with {obstacle}; use attention=dot_product")
+  if kernel == "cudnn_flash_te" and importlib.util.find_spec("transformer_engine") is None:
+    raise ConfigError(
+      f"attention=cudnn_flash_te needs TransformerEngine's JAX package, which is not installed: `{TE_INSTALL}` "
+      "installs it (or use attention=cudnn_flash_jax)"
+    )
+
+
+def select(values, platform: str) -> str:
+  """The attention kernel of the config on `platform` ("cpu", "gpu", "tpu"), checked.
+
+  autoselected: flash on TPU; cudnn_flash_jax on GPU when the config allows it (cuDNN is part of jax's CUDA
+  build; TransformerEngine is an optional extra), else dot_product.
+  """
+  kernel = values["attention"]
+  if kernel == "autoselected":
+    if platform == "tpu":
+      kernel = "flash"
+    elif platform == "gpu" and not _cudnn_obstacle(values):
+      kernel = "cudnn_flash_jax"
+    else:
+      kernel = "dot_product"
+  if kernel == "flash":
+    _check_flash(values, platform)
+  elif kernel in _GPU_KERNELS:
+    _check_gpu_kernel(kernel, values, platform)
+  return kernel

@@ -1,0 +1,79 @@
+"""Which attention kernel a config gets on CPU, GPU and TPU devices, and the one-line errors of the GPU kernels."""
+
+import importlib.util
+import re
+
+import pytest
+
+from MaxText import attention_selection
+from MaxText.errors import ConfigError
+from MaxText.tests.helpers import tiny_config
+
+_TE_INSTALLED = importlib.util.find_spec("transformer_engine") is not None
+
+
+def _values(**overrides):
+  values = {
+    "attention": "autoselected",
+    "dtype": "bfloat16",
+    "attn_logits_soft_cap": 0.0,
+    "head_dim": 128,
+    "sliding_window_size": 0,
+    "ici_sequence_parallelism": 1,
+    "dcn_sequence_parallelism": 1,
+    "max_target_length": 4096,
+    "dataset_type": "synthetic",
+    "packing": True,
+  }
+  return {**values, **overrides}
+
+
+@pytest.mark.parametrize(
+  "platform, overrides, kernel",
+  [
+    ("cpu", {}, "dot_product"),
+    ("tpu", {}, "flash"),
+    ("gpu", {}, "cudnn_flash_jax"),
+    ("gpu", {"dtype": "float32"}, "dot_product"),
+    ("gpu", {"attn_logits_soft_cap": 50.0}, "dot_product"),
+    ("gpu", {"head_dim": 260}, "dot_product"),
+    ("gpu", {"ici_sequence_parallelism": 2}, "dot_product"),
+  ],
+)
+def test_autoselected(platform, overrides, kernel):
+  assert attention_selection.select(_values(**overrides), platform) == kernel
+
+
+@pytest.mark.parametrize(
+  "kernel, platform, overrides, message",
+  [
+    ("cudnn_flash_jax", "cpu", {}, "attention=cudnn_flash_jax needs a GPU (cuDNN); this machine has cpu devices"),
+    ("cudnn_flash_te", "tpu", {}, "attention=cudnn_flash_te needs a GPU"),
+    ("cudnn_flash_jax", "gpu", {"dtype": "float32"}, "cannot run with dtype=float32 (cuDNN flash attention needs"),
+    ("cudnn_flash_jax", "gpu", {"attn_logits_soft_cap": 50.0}, "cannot run with attn_logits_soft_cap=50.0"),
+    ("cudnn_flash_jax", "gpu", {"head_dim": 100}, "cannot run with head_dim=100"),
+    ("cudnn_flash_te", "gpu", {"dataset_type": "tfds"}, "packing=true with dataset_type=tfds"),
+    ("cudnn_flash_te", "gpu", {"sliding_window_size": 64}, "sliding_window_size=64"),
+  ],
+)
+def test_gpu_kernel_errors(kernel, platform, overrides, message):
+  with pytest.raises(ConfigError, match=re.escape(message)):
+    attention_selection.select(_values(attention=kernel, **overrides), platform)
+
+
+@pytest.mark.skipif(_TE_INSTALLED, reason="TransformerEngine is installed here")
+def test_te_not_installed_names_the_setup_extra():
+  with pytest.raises(ConfigError, match="bash setup.sh DEVICE=gpu TE=1"):
+    attention_selection.select(_values(attention="cudnn_flash_te"), "gpu")
+
+
+def test_cudnn_segments_follow_the_data():
+  assert attention_selection.cudnn_segments("synthetic", True) == "lengths"
+  assert attention_selection.cudnn_segments("tfds", False) == "lengths"
+  assert attention_selection.cudnn_segments("tfds", True) == "mask"
+
+
+def test_config_resolves_autoselected_on_cpu_and_refuses_a_gpu_kernel():
+  assert tiny_config().attention == "dot_product"
+  with pytest.raises(ConfigError, match="attention=cudnn_flash_jax needs a GPU"):
+    tiny_config("attention=cudnn_flash_jax")
