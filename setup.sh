@@ -4,6 +4,7 @@
 #   bash setup.sh                         # DEVICE detected (gpu if nvidia-smi works, tpu if /dev/accel* or /dev/vfio exist, else cpu)
 #   bash setup.sh DEVICE=gpu MODE=stable  # DEVICE=cpu|gpu|tpu, MODE=stable|nightly
 #   bash setup.sh WHEEL_DIR=~/wheels      # a host without internet: only the wheels in that directory, no index
+#   bash setup.sh DEVICE=gpu TE=1         # also TransformerEngine's JAX package (attention=cudnn_flash_te)
 #                                         # (README.md, "Hosts without internet", says how to fill it)
 #
 # Idempotent: a second run only checks what is installed (seconds).
@@ -11,8 +12,8 @@ set -euo pipefail
 
 for arg in "$@"; do
   case "$arg" in
-    DEVICE=*|MODE=*|WHEEL_DIR=*) export "${arg?}" ;;
-    *) echo "setup.sh: unknown argument '$arg' (use DEVICE=cpu|gpu|tpu MODE=stable|nightly WHEEL_DIR=<dir>)" >&2; exit 2 ;;
+    DEVICE=*|MODE=*|WHEEL_DIR=*|TE=*) export "${arg?}" ;;
+    *) echo "setup.sh: unknown argument '$arg' (use DEVICE=cpu|gpu|tpu MODE=stable|nightly WHEEL_DIR=<dir> TE=0|1)" >&2; exit 2 ;;
   esac
 done
 
@@ -38,6 +39,11 @@ fi
 MODE="${MODE:-stable}"
 case "$DEVICE" in cpu|gpu|tpu) ;; *) echo "setup.sh: DEVICE=$DEVICE is not one of cpu, gpu, tpu" >&2; exit 2 ;; esac
 case "$MODE" in stable|nightly) ;; *) echo "setup.sh: MODE=$MODE is not one of stable, nightly" >&2; exit 2 ;; esac
+TE="${TE:-0}"
+case "$TE" in 0|1) ;; *) echo "setup.sh: TE=$TE is not 0 or 1" >&2; exit 2 ;; esac
+if [[ "$TE" == 1 && "$DEVICE" != gpu ]]; then
+  echo "setup.sh: TE=1 (TransformerEngine) needs DEVICE=gpu, not DEVICE=$DEVICE" >&2; exit 2
+fi
 
 PYTHON="${PYTHON:-python3}"
 PIP=("$PYTHON" -m pip install --quiet --disable-pip-version-check)
@@ -90,6 +96,11 @@ else
 fi
 
 pip_install -r requirements.txt
+if [[ "$TE" == 1 ]]; then
+  # Optional: attention=cudnn_flash_te. Its JAX extension builds against the installed jax (CUDA headers needed);
+  # from WHEEL_DIR it must be a wheel built on a machine with the same jax (README.md, "Performance").
+  pip_install --no-build-isolation "transformer_engine[jax]"
+fi
 CHECK_ENV=()
 if [[ "$DEVICE" == tpu ]] && ! compgen -G "/dev/accel*" >/dev/null && ! compgen -G "/dev/vfio/[0-9]*" >/dev/null; then
   # libtpu on a host without TPU chips: for train_compile.py's TPU targets; MaxText keeps JAX on the CPU here.

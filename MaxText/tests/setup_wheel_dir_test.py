@@ -65,3 +65,16 @@ def test_unknown_argument(tmp_path):
   result = run_setup(tmp_path, "WHEELDIR=x")
   assert result.returncode == 2
   assert "unknown argument 'WHEELDIR=x'" in result.stderr and "WHEEL_DIR=<dir>" in result.stderr
+
+
+@pytest.mark.parametrize(
+  "args, message",
+  [
+    (["DEVICE=cpu", "TE=1"], "setup.sh: TE=1 (TransformerEngine) needs DEVICE=gpu, not DEVICE=cpu"),
+    (["DEVICE=gpu", "TE=yes"], "setup.sh: TE=yes is not 0 or 1"),
+  ],
+)
+def test_transformer_engine_extra_is_checked(tmp_path, args, message):
+  result = run_setup(tmp_path, *args)
+  assert result.returncode == 2
+  assert result.stderr.strip() == message
