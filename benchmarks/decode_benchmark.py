@@ -1,11 +1,17 @@
-"""Generated tokens/s of decode.py's KV cache against recomputing the whole sequence for every token.
+"""Generated tokens/s of decode.py's KV cache, against the memory roofline and against recomputing the whole
+sequence for every token.
 
-    python3 benchmarks/decode_benchmark.py MaxText/configs/base.yml [model keys ...] [--tokens 256] [--batches 1,8]
+    python3 benchmarks/decode_benchmark.py MaxText/configs/base.yml [model keys ...] [--tokens 256] [--batches 1,64]
 
 For each batch size: the cached generation of decoding.generate (prefill, then one token per step), and a
-baseline that runs the model over the whole (padded) sequence for every new token, both greedy and compiled
-before they are timed, with the same params (random: the speed does not depend on the weights). Prints the
-time per generated token and the tokens/s of both, and their ratio.
+baseline that runs the model over the whole (padded) sequence for every new token (--skip_recompute leaves it
+out), both greedy and compiled before they are timed, with the same params (random: the speed does not depend
+on the weights). Prints the time per generated token and the tokens/s of both, and their ratio.
+
+The roofline: a generation step reads at least every parameter and the whole KV cache (max_target_length
+slots, which the cache attention reads whatever the position) once, so it takes at least those bytes over the
+device's memory bandwidth (aot_targets.CHIPS by device kind, or --hbm_gbps); "% roofline" is the cached
+tokens/s over the roofline's. On one device; with several, the bytes are those of the first device's shards.
 """
 
 import argparse
@@ -19,7 +25,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from MaxText import decoding, mesh, pyconfig, sharding  # noqa: E402
+from MaxText import aot_targets, decoding, flops, mesh, pyconfig, sharding  # noqa: E402
 from MaxText.errors import run_and_exit_on_user_error  # noqa: E402
 
 
@@ -43,15 +49,44 @@ def _recompute_per_token_s(config, model, params, device_mesh, rows: int, prompt
   return (time.perf_counter() - start) / tokens
 
 
+def _device_bytes(tree) -> int:
+  """Bytes of the tree's shards on the first device."""
+  device = jax.devices()[0]
+  return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards if s.device == device)
+
+
+def kv_cache_bytes(config, rows: int) -> int:
+  """The KV cache of `rows` rows on one device: keys and values of every layer, max_target_length slots."""
+  per_row_slot = 2 * config.num_decoder_layers * config.num_kv_heads * config.head_dim * jnp.dtype(config.dtype).itemsize
+  return rows * config.max_target_length * per_row_slot // jax.device_count()
+
+
+def roofline_tokens_per_s(rows: int, bytes_per_step: int, bandwidth_gbps: float | None) -> float | None:
+  """The most tokens/s a step that reads bytes_per_step for `rows` new tokens can reach (None: unknown bandwidth)."""
+  return rows * bandwidth_gbps * 1e9 / bytes_per_step if bandwidth_gbps else None
+
+
+def _bandwidth_gbps(override: float | None) -> float | None:
+  if override:
+    return override
+  kind = jax.devices()[0].device_kind
+  chip = aot_targets.CHIPS.get("cpu" if kind == "cpu" else flops.device_generation(kind) or "")
+  return chip.memory_bandwidth_gbps if chip else None
+
+
 def main(argv) -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--tokens", type=int, default=256, help="tokens to generate")
-  parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes (rows)")
+  parser.add_argument("--batches", default="1,64", help="comma-separated batch sizes (rows)")
   parser.add_argument("--prompt_length", type=int, default=8, help="prompt tokens (BOS and 1s)")
+  parser.add_argument("--hbm_gbps", type=float, default=None, help="memory bandwidth (default: the device's, if known)")
+  parser.add_argument("--skip_recompute", action="store_true", help="leave out the recompute baseline")
   args, config_args = parser.parse_known_args(argv[1:])
+  bandwidth = _bandwidth_gbps(args.hbm_gbps)
+  print(f"{jax.devices()[0].device_kind}: memory bandwidth {f'{bandwidth:g} GB/s' if bandwidth else 'unknown (--hbm_gbps)'}")
   print(
-    f"{'rows':>4} {'cached ms/token':>16} {'cached tok/s':>13} {'recompute ms/token':>19} {'recompute tok/s':>16} "
-    f"{'ratio':>6}"
+    f"{'rows':>4} {'cached ms/token':>16} {'cached tok/s':>13} {'roofline tok/s':>15} {'% roofline':>11} "
+    f"{'recompute ms/token':>19} {'recompute tok/s':>16} {'ratio':>6}"
   )
   for rows in (int(b) for b in args.batches.split(",")):
     prefill = max(args.prompt_length, 8)
@@ -71,12 +106,14 @@ def main(argv) -> None:
     params = decoding.load_params(config, model, abstract, device_mesh)
     prompt = [1] * args.prompt_length
     cached = decoding.generate(config, model, params, device_mesh, prompt)
-    recompute_s = _recompute_per_token_s(config, model, params, device_mesh, rows, args.prompt_length, args.tokens)
-    print(
-      f"{rows:>4} {cached.step_s * 1e3:>16.2f} {cached.generated_per_s:>13.1f} {recompute_s * 1e3:>19.2f} "
-      f"{rows / recompute_s:>16.1f} {recompute_s / cached.step_s:>5.1f}x",
-      flush=True,
-    )
+    roofline = roofline_tokens_per_s(rows, _device_bytes(params) + kv_cache_bytes(config, rows), bandwidth)
+    of_roofline = f"{100 * cached.generated_per_s / roofline:>10.1f}%" if roofline else f"{'n/a':>11}"
+    roofline_text = f"{roofline:>15.1f}" if roofline else f"{'n/a':>15}"
+    line = f"{rows:>4} {cached.step_s * 1e3:>16.2f} {cached.generated_per_s:>13.1f} {roofline_text} {of_roofline}"
+    if not args.skip_recompute:
+      recompute_s = _recompute_per_token_s(config, model, params, device_mesh, rows, args.prompt_length, args.tokens)
+      line += f" {recompute_s * 1e3:>19.2f} {rows / recompute_s:>16.1f} {recompute_s / cached.step_s:>5.1f}x"
+    print(line, flush=True)
     np.testing.assert_equal(cached.tokens.shape[1], args.tokens + 1)
 
 

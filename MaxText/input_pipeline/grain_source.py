@@ -2,13 +2,11 @@
 
 import glob
 
-import grain
-
 from MaxText.errors import UserError
 
 
-def array_record_source(file_patterns: str, key: str) -> grain.sources.ArrayRecordDataSource:
-  """The records of the files matching `;`-separated globs, in sorted file order."""
+def array_record_source(file_patterns: str, key: str):
+  """The records of the files matching `;`-separated globs, in sorted file order (a grain ArrayRecordDataSource)."""
   patterns = [p.strip() for p in file_patterns.split(";") if p.strip()]
   if not patterns:
     raise UserError(f"{key} is empty; give ArrayRecord files, e.g. {key}=/data/c4-train.array_record-*")
@@ -20,6 +18,8 @@ def array_record_source(file_patterns: str, key: str) -> grain.sources.ArrayReco
     if not matched:
       raise UserError(f"{key}: '{pattern}' matches no file")
     paths += matched
+  import grain  # pylint: disable=import-outside-toplevel  # here: synthetic data runs without grain
+
   try:
     return grain.sources.ArrayRecordDataSource(paths)
   except Exception as e:  # pylint: disable=broad-except  # array_record raises bare RuntimeErrors

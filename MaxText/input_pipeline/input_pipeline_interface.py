@@ -6,7 +6,6 @@ has get_state()/set_state() for exact resume from a checkpoint. When the data ru
 all-padding batches (no loss), so that every process keeps stepping until all are done.
 """
 
-import grain
 import jax
 
 from MaxText import max_logging, sharding
@@ -58,6 +57,8 @@ class RandomAccessRows:
     records = self.records if self.records is not None else _random_access_records(config, self.train)
     if len(records) == 0:
       raise UserError(f"the {'train' if self.train else 'eval'} data of dataset_type={config.dataset_type} holds no records")
+    import grain  # pylint: disable=import-outside-toplevel  # here: synthetic data runs without grain
+
     documents = grain.MapDataset.source(records)
     if self.train:
       if config.enable_data_shuffling:

@@ -20,7 +20,6 @@ import numpy as np
 
 from MaxText import max_logging
 from MaxText.errors import UserError
-from MaxText.input_pipeline.tfrecord_reader import TFRecordFile
 
 _WINDOW = 1024  # records shuffled together; the most that a resume re-reads
 
@@ -136,6 +135,9 @@ def stream_opener(config, builder, split: str, train: bool, decode, shard_index:
         f"Resuming {where} epoch {epoch} at record {at['record'] + at['taken']} of its file {at['file']} "
         "(in the epoch's order), without re-reading earlier records"
       )
+    # Here, not at the top: google_crc32c is needed for TFRecord files only (synthetic data runs without it).
+    from MaxText.input_pipeline.tfrecord_reader import TFRecordFile  # pylint: disable=import-outside-toplevel
+
     for i in range(at["file"], len(order)):
       filename, skip, take = files[order[i]]
       record, offset, taken = (at["record"], at["offset"], at["taken"]) if i == at["file"] else (0, None, 0)

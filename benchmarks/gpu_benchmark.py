@@ -1,0 +1,219 @@
+"""Train-step throughput of a 1.07B-matmul-parameter llama-style model on one GPU, in several variants, one command:
+
+    python3 benchmarks/gpu_benchmark.py                   # on a GPU host: the variant table, within ~8 minutes
+    python3 benchmarks/gpu_benchmark.py --cpu-smoke       # a tiny model on CPU: the same path in seconds (CI)
+    python3 benchmarks/gpu_benchmark.py --only 8x4096-unrolled-minimal_flash xla_flags_preset=a3mega
+
+The model: emb 2048, 16 layers, mlp 8192, 16 query / 8 kv heads of 128, vocab 32000, bfloat16 activations,
+float32 weights, AdamW; the seed's GPU settings (attention=autoselected: cuDNN flash attention on a GPU,
+use_iota_embed=true, logits_dot_in_fp32=false). Each variant (batch x sequence, scanned or unrolled layers,
+remat policy) runs in its own process through benchmarks/train_step_benchmark.py, i.e. train.py's config,
+model, sharding, compiled train step and synthetic input pipeline (reuse_example_batch=1): --warmup steps,
+then the median of --steps steps. Key=value arguments are added to every variant (they win).
+
+Prints a table: step time, host time per step (Python + dispatch, and its share of the step), tokens/s,
+TFLOP/s/device (6·N·tokens + causal attention, as train.py logs), MFU (against the device's peak bf16
+TFLOP/s), the device's peak memory (n/a where JAX reports none, e.g. CPU) and whether a timed step compiled.
+Variants run in order until --budget seconds are spent; the rest are listed as skipped.
+
+Besides JAX with CUDA, flax, optax, orbax and their dependencies, the benchmark imports only what
+REQUIRED_MODULES lists; it checks them first and names any that is missing (README.md, "Performance").
+"""
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEP_BENCHMARK = os.path.join(REPO_ROOT, "benchmarks", "train_step_benchmark.py")
+BASE_YML = os.path.join(REPO_ROOT, "MaxText", "configs", "base.yml")
+
+# Imported at benchmark time beyond jax (CUDA), flax, optax, orbax, tensorstore, sentencepiece, tiktoken and their
+# dependencies: module -> pip package. (grain, google-crc32c and the tfds/hf sources load only for their datasets.)
+REQUIRED_MODULES = {}  # none: measured with python3 -X importtime on the --cpu-smoke path
+# The modules of the benchmarked step: importing them here finds any other missing module before a variant starts.
+STEP_MODULES = (
+  "MaxText.pyconfig",
+  "MaxText.train_state",
+  "MaxText.train_step",
+  "MaxText.input_pipeline.input_pipeline_interface",
+)
+
+MODEL = [
+  "base_emb_dim=2048",
+  "base_num_decoder_layers=16",
+  "base_mlp_dim=8192",
+  "base_num_query_heads=16",
+  "base_num_kv_heads=8",
+  "head_dim=128",
+  "vocab_size=32000",
+  "dtype=bfloat16",
+  "weight_dtype=float32",
+]
+SMOKE_MODEL = [
+  "base_emb_dim=64",
+  "base_num_decoder_layers=2",
+  "base_mlp_dim=128",
+  "base_num_query_heads=4",
+  "base_num_kv_heads=2",
+  "head_dim=16",
+  "vocab_size=512",
+  "dtype=bfloat16",
+  "weight_dtype=float32",
+]
+COMMON = [
+  "dataset_type=synthetic",
+  "reuse_example_batch=1",
+  "enable_checkpointing=false",
+  "attention=autoselected",
+  "use_iota_embed=true",
+  "logits_dot_in_fp32=false",
+]
+
+# The upstream MaxText figures for this model on one H100 (the issue's reference), for the closing line.
+UPSTREAM_REFERENCE = "upstream MaxText, same model, one H100: 44.8% MFU at 4x4096 scanned; best 51.0% (8x4096, unrolled)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  batch: int
+  length: int
+  scan: bool
+  remat: str
+
+  @property
+  def name(self) -> str:
+    return f"{self.batch}x{self.length}-{'scanned' if self.scan else 'unrolled'}-{self.remat}"
+
+  def args(self) -> list[str]:
+    return [
+      f"per_device_batch_size={self.batch}",
+      f"max_target_length={self.length}",
+      f"scan_layers={str(self.scan).lower()}",
+      f"remat_policy={self.remat}",
+    ]
+
+
+# Most informative first: a time budget cuts the end of the list.
+VARIANTS = (
+  Variant(8, 4096, False, "minimal_flash"),
+  Variant(4, 4096, True, "minimal_flash"),
+  Variant(4, 4096, False, "minimal_flash"),
+  Variant(8, 2048, False, "minimal_flash"),
+  Variant(8, 4096, False, "save_dot_with_context_except_mlp"),
+  Variant(8, 4096, True, "minimal_flash"),
+)
+SMOKE_VARIANTS = (Variant(2, 64, True, "minimal_flash"), Variant(2, 64, False, "save_dot_with_context_except_mlp"))
+
+
+def missing_modules() -> list[str]:
+  """The pip packages of REQUIRED_MODULES, and any other module the step imports, that this Python lacks."""
+  missing = [package for module, package in REQUIRED_MODULES.items() if importlib.util.find_spec(module) is None]
+  if missing:
+    return missing
+  sys.path.insert(0, REPO_ROOT)
+  for module in STEP_MODULES:
+    try:
+      importlib.import_module(module)  # no JAX backend starts: the variants' processes own the GPU
+    except ModuleNotFoundError as e:
+      return [e.name]
+  return []
+
+
+def run_variant(variant: Variant, model: list[str], extra: list[str], steps: int, warmup: int, timeout: float, env) -> dict:
+  """One variant in its own process (its own peak memory, and an out-of-memory ends only that one)."""
+  keys = dict(arg.split("=", 1) for arg in [*model, *COMMON, *variant.args(), *extra])  # the last of a key wins
+  command = [sys.executable, STEP_BENCHMARK, BASE_YML, *(f"{k}={v}" for k, v in keys.items())]
+  command += ["--steps", str(steps), "--warmup", str(warmup), "--json"]
+  try:
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+  except subprocess.TimeoutExpired:
+    return {"error": f"stopped after {timeout:.0f} s (the time budget)"}
+  lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+  if result.returncode == 0 and lines:
+    return json.loads(lines[-1])
+  tail = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
+  return {"error": f"exit {result.returncode}: {tail[:200]}"}
+
+
+def _memory(num_bytes) -> str:
+  return "n/a" if num_bytes is None else f"{num_bytes / 2**30:.1f} GiB"
+
+
+def format_row(name: str, r: dict) -> str:
+  if "error" in r:
+    return f"{name:<50} {r['error']}"
+  step, host = r["step_seconds"], r["host_seconds"]
+  mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "n/a"
+  compiled = "yes" if r["compiles_while_timed"] else "no"
+  return (
+    f"{name:<50} {step:>8.4f} {1e3 * host:>8.2f} {100 * host / step:>5.1f}% {r['tokens_per_sec_per_device']:>11.0f} "
+    f"{r['tflops_per_sec_per_device']:>9.4g} {mfu:>6} {_memory(r['peak_memory_bytes']):>9} {compiled:>8}"
+  )
+
+
+HEADER = (
+  f"{'variant (batch x seq, layers, remat)':<50} {'step s':>8} {'host ms':>8} {'host':>6} {'tokens/s':>11} "
+  f"{'TFLOP/s':>9} {'MFU':>6} {'peak mem':>9} {'compiled':>8}"
+)
+
+
+def main(argv) -> int:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--cpu-smoke", action="store_true", help="a tiny model on the CPU, two variants, few steps")
+  parser.add_argument("--steps", type=int, default=None, help="timed steps per variant (default 10; smoke 3)")
+  parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; smoke 1)")
+  parser.add_argument("--budget", type=float, default=450.0, help="seconds for all variants (default 450)")
+  parser.add_argument("--only", action="append", default=[], help="run only this variant (a name from the table)")
+  args, extra = parser.parse_known_args(argv[1:])
+  not_keys = [arg for arg in extra if "=" not in arg or arg.startswith("-")]
+  if not_keys:
+    print(f"Error: {not_keys[0]} is neither an option of this script nor a config key=value", file=sys.stderr)
+    return 2
+  missing = missing_modules()
+  if missing:
+    print(f"Error: this Python lacks {', '.join(missing)}: carry the wheels (README.md, 'Performance')", file=sys.stderr)
+    return 2
+  env = dict(os.environ)
+  if args.cpu_smoke:
+    model, variants, steps, warmup = SMOKE_MODEL, SMOKE_VARIANTS, args.steps or 3, 1 if args.warmup is None else args.warmup
+    env["JAX_PLATFORMS"] = "cpu"
+  else:
+    model, variants, steps, warmup = MODEL, VARIANTS, args.steps or 10, 3 if args.warmup is None else args.warmup
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")  # JAX takes 75% by default; 8x4096 wants more
+  if args.only:
+    unknown = sorted(set(args.only) - {v.name for v in variants})
+    if unknown:
+      print(f"Error: --only {unknown[0]} is not a variant; variants: {', '.join(v.name for v in variants)}", file=sys.stderr)
+      return 2
+    variants = [v for v in variants if v.name in args.only]
+  start = time.perf_counter()
+  print(
+    f"{'CPU smoke (tiny model, not a GPU figure)' if args.cpu_smoke else 'GPU benchmark'}: median of {steps} steps after "
+    f"{warmup} warm-up, {' '.join(extra) or 'no extra keys'}",
+    flush=True,
+  )
+  print(HEADER, flush=True)
+  results, device = {}, None
+  for variant in variants:
+    left = args.budget - (time.perf_counter() - start)
+    if left <= 0:
+      print(f"{variant.name:<50} skipped (--budget {args.budget:.0f} s spent)", flush=True)
+      continue
+    results[variant.name] = r = run_variant(variant, model, extra, steps, warmup, left, env)
+    device = device or (f"{r['device_count']} x {r['device_kind']}" if "device_kind" in r else None)
+    print(format_row(variant.name, r), flush=True)
+  print(f"Device: {device or 'unknown'}; {time.perf_counter() - start:.0f} s in all.")
+  if not args.cpu_smoke:
+    print(f"Reference: {UPSTREAM_REFERENCE}, 69.8k tokens/s.")
+  ok = [r for r in results.values() if "error" not in r]
+  return 0 if ok and all(not r["compiles_while_timed"] for r in ok) else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv))
