@@ -129,3 +129,34 @@ def test_transformer_engine_matches_dot_product_on_gpu():
     return Wrapper().apply(variables, q, k, v, segment_ids, sliding_window)
 
   _compare(te, seg, q, k, v, atol=_GPU_ATOL)
+
+
+def _attention_layer_output(kernel: str, segment_ids, dtype=jnp.float32):
+  """The Attention layer (projections, RoPE, the kernel, out) with attention_kernel=kernel, on fixed inputs."""
+  from MaxText.layers.attentions import Attention  # pylint: disable=import-outside-toplevel
+
+  layer = Attention(NQ, NKV, D, attention_kernel=kernel, attention_segments="mask", dtype=dtype, query_scale=D**-0.5)
+  x = jax.random.normal(jax.random.PRNGKey(1), (B, T, 32), dtype)
+  positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+  variables = layer.init(jax.random.PRNGKey(2), x, positions, segment_ids)  # the same params for every kernel
+  return layer.apply(variables, x, positions, segment_ids)
+
+
+def test_attention_layer_runs_the_cudnn_call_with_its_segments(monkeypatch):
+  """attention=cudnn_flash_jax in the layer: the cuDNN call (through XLA here) with the packed-segment mask."""
+  from MaxText.layers import attentions  # pylint: disable=import-outside-toplevel
+
+  monkeypatch.setattr(attentions, "cudnn_attention", functools.partial(cudnn_attention, implementation="xla"))
+  seg = _packed()
+  weight = (seg != 0)[:, :, None]
+  got, want = _attention_layer_output("cudnn_flash_jax", seg), _attention_layer_output("dot_product", seg)
+  np.testing.assert_allclose(got * weight, want * weight, atol=1e-5)
+
+
+@needs_gpu
+def test_attention_layer_with_cudnn_matches_dot_product_on_gpu():
+  seg = _packed()
+  weight = (seg != 0)[:, :, None]
+  got = _attention_layer_output("cudnn_flash_jax", seg, jnp.bfloat16).astype(jnp.float32)
+  want = _attention_layer_output("dot_product", seg, jnp.bfloat16).astype(jnp.float32)
+  np.testing.assert_allclose(got * weight, want * weight, atol=5e-2)
