@@ -214,3 +214,4 @@ def test_vertex_job_command_is_a_valid_config_for_two_nodes_of_eight_gpus():
   assert dict(zip(config.mesh_axes, config.dcn_parallelism))["data"] == 2
   assert dict(zip(config.mesh_axes, config.ici_parallelism))["fsdp"] == 8
   assert config.global_batch_size_to_train_on == 64 and config.emb_dim == 4096
+  assert config.attention == "cudnn_flash_jax"  # autoselected on GPUs: cuDNN flash attention (the guide: through TE)
