@@ -3,6 +3,7 @@
     python3 benchmarks/gpu_benchmark.py                   # on a GPU host: the variant table, within ~8 minutes
     python3 benchmarks/gpu_benchmark.py --cpu-smoke       # a tiny model on CPU: the same path in seconds (CI)
     python3 benchmarks/gpu_benchmark.py --only 8x4096-unrolled-minimal_flash xla_flags_preset=a3mega
+    python3 benchmarks/gpu_benchmark.py --xla-flags-ablation a3mega --budget 1800   # which of its flags help
 
 The model: emb 2048, 16 layers, mlp 8192, 16 query / 8 kv heads of 128, vocab 32000, bfloat16 activations,
 float32 weights, AdamW; the seed's GPU settings (attention=autoselected: cuDNN flash attention on a GPU,
@@ -15,6 +16,9 @@ Prints a table: step time, host time per step (Python + dispatch, and its share 
 TFLOP/s/device (6·N·tokens + causal attention, as train.py logs), MFU (against the device's peak bf16
 TFLOP/s), the device's peak memory (n/a where JAX reports none, e.g. CPU) and whether a timed step compiled.
 Variants run in order until --budget seconds are spent; the rest are listed as skipped.
+--xla-flags-ablation PRESET measures a preset of MaxText/xla_flag_presets.py on the first variant: with XLA_FLAGS
+as given, with the whole preset, and with each of its flags alone (a row each), so that a recommended preset holds
+only flags measured to help.
 
 Besides JAX with CUDA, flax, optax, orbax and their dependencies, the benchmark imports only what
 REQUIRED_MODULES lists; it checks them first and names any that is missing (README.md, "Performance").
@@ -30,6 +34,10 @@ import sys
 import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
+
+from MaxText.xla_flag_presets import PRESETS, merged_flags  # noqa: E402  # pylint: disable=wrong-import-position  # (no jax)
+
 STEP_BENCHMARK = os.path.join(REPO_ROOT, "benchmarks", "train_step_benchmark.py")
 BASE_YML = os.path.join(REPO_ROOT, "MaxText", "configs", "base.yml")
 
@@ -116,7 +124,6 @@ def missing_modules() -> list[str]:
   missing = [package for module, package in REQUIRED_MODULES.items() if importlib.util.find_spec(module) is None]
   if missing:
     return missing
-  sys.path.insert(0, REPO_ROOT)
   for module in STEP_MODULES:
     try:
       importlib.import_module(module)  # no JAX backend starts: the variants' processes own the GPU
@@ -145,22 +152,34 @@ def _memory(num_bytes) -> str:
   return "n/a" if num_bytes is None else f"{num_bytes / 2**30:.1f} GiB"
 
 
-def format_row(name: str, r: dict) -> str:
+def format_row(name: str, r: dict, width: int = 50) -> str:
   if "error" in r:
-    return f"{name:<50} {r['error']}"
+    return f"{name:<{width}} {r['error']}"
   step, host = r["step_seconds"], r["host_seconds"]
   mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "n/a"
   compiled = "yes" if r["compiles_while_timed"] else "no"
   return (
-    f"{name:<50} {step:>8.4f} {1e3 * host:>8.2f} {100 * host / step:>5.1f}% {r['tokens_per_sec_per_device']:>11.0f} "
+    f"{name:<{width}} {step:>8.4f} {1e3 * host:>8.2f} {100 * host / step:>5.1f}% {r['tokens_per_sec_per_device']:>11.0f} "
     f"{r['tflops_per_sec_per_device']:>9.4g} {mfu:>6} {_memory(r['peak_memory_bytes']):>9} {compiled:>8}"
   )
 
 
-HEADER = (
-  f"{'variant (batch x seq, layers, remat)':<50} {'step s':>8} {'host ms':>8} {'host':>6} {'tokens/s':>11} "
-  f"{'TFLOP/s':>9} {'MFU':>6} {'peak mem':>9} {'compiled':>8}"
-)
+def header(width: int = 50, what: str = "variant (batch x seq, layers, remat)") -> str:
+  return (
+    f"{what:<{width}} {'step s':>8} {'host ms':>8} {'host':>6} {'tokens/s':>11} "
+    f"{'TFLOP/s':>9} {'MFU':>6} {'peak mem':>9} {'compiled':>8}"
+  )
+
+
+def flag_ablation_runs(preset: str, user_flags: str) -> list[tuple[str, str]]:
+  """(row name, XLA_FLAGS) of a preset's measurement: the user's flags alone, with the whole preset, and with
+  each of its flags alone (a flag the user set keeps the user's value, as xla_flags_preset does)."""
+  runs = [("XLA_FLAGS as given", user_flags), (f"+ all of {preset}", merged_flags(user_flags, PRESETS[preset])[0])]
+  for flag in PRESETS[preset]:
+    flags, added = merged_flags(user_flags, [flag])
+    if added:
+      runs.append((f"+ {flag.lstrip('-')}", flags))
+  return runs
 
 
 def main(argv) -> int:
@@ -170,6 +189,11 @@ def main(argv) -> int:
   parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; smoke 1)")
   parser.add_argument("--budget", type=float, default=450.0, help="seconds for all variants (default 450)")
   parser.add_argument("--only", action="append", default=[], help="run only this variant (a name from the table)")
+  parser.add_argument(
+    "--xla-flags-ablation",
+    choices=sorted(PRESETS),
+    help="measure a flag preset on the first variant: without it, with it, and with each of its flags alone",
+  )
   args, extra = parser.parse_known_args(argv[1:])
   not_keys = [arg for arg in extra if "=" not in arg or arg.startswith("-")]
   if not_keys:
@@ -192,22 +216,29 @@ def main(argv) -> int:
       print(f"Error: --only {unknown[0]} is not a variant; variants: {', '.join(v.name for v in variants)}", file=sys.stderr)
       return 2
     variants = [v for v in variants if v.name in args.only]
+  runs = [(v.name, v, env) for v in variants]  # (row name, variant, environment)
+  if args.xla_flags_ablation:
+    user_flags = env.get("XLA_FLAGS", "")
+    runs = [
+      (name, variants[0], {**env, "XLA_FLAGS": f}) for name, f in flag_ablation_runs(args.xla_flags_ablation, user_flags)
+    ]
+  width = max(50, *(len(name) for name, _, _ in runs))
   start = time.perf_counter()
   print(
     f"{'CPU smoke (tiny model, not a GPU figure)' if args.cpu_smoke else 'GPU benchmark'}: median of {steps} steps after "
     f"{warmup} warm-up, {' '.join(extra) or 'no extra keys'}",
     flush=True,
   )
-  print(HEADER, flush=True)
+  print(header(width, f"{variants[0].name} with XLA flags") if args.xla_flags_ablation else header(width), flush=True)
   results, device = {}, None
-  for variant in variants:
+  for name, variant, run_env in runs:
     left = args.budget - (time.perf_counter() - start)
     if left <= 0:
-      print(f"{variant.name:<50} skipped (--budget {args.budget:.0f} s spent)", flush=True)
+      print(f"{name:<{width}} skipped (--budget {args.budget:.0f} s spent)", flush=True)
       continue
-    results[variant.name] = r = run_variant(variant, model, extra, steps, warmup, left, env)
+    results[name] = r = run_variant(variant, model, extra, steps, warmup, left, run_env)
     device = device or (f"{r['device_count']} x {r['device_kind']}" if "device_kind" in r else None)
-    print(format_row(variant.name, r), flush=True)
+    print(format_row(name, r, width), flush=True)
   print(f"Device: {device or 'unknown'}; {time.perf_counter() - start:.0f} s in all.")
   if not args.cpu_smoke:
     print(f"Reference: {UPSTREAM_REFERENCE}, 69.8k tokens/s.")

@@ -57,3 +57,16 @@ def test_decode_roofline_counts_params_and_the_whole_kv_cache():
   tokens_per_s = decode_benchmark.roofline_tokens_per_s(64, 10**9 + cache, 3350.0)
   assert tokens_per_s == pytest.approx(64 * 3350e9 / (10**9 + cache))
   assert decode_benchmark.roofline_tokens_per_s(1, 10**9, None) is None
+
+
+def test_flag_ablation_runs_each_flag_of_the_preset_alone():
+  gpu_benchmark = _load("gpu_benchmark")
+  from MaxText.xla_flag_presets import A3MEGA  # pylint: disable=import-outside-toplevel
+
+  user = "--xla_gpu_enable_triton_gemm=true"  # the user's value wins: that flag is not measured alone
+  runs = gpu_benchmark.flag_ablation_runs("a3mega", user)
+  assert runs[0] == ("XLA_FLAGS as given", user)
+  assert runs[1][0] == "+ all of a3mega" and runs[1][1].startswith(user) and "triton_gemm=false" not in runs[1][1]
+  alone = dict(runs[2:])
+  assert len(alone) == len(A3MEGA) - 1 and "+ xla_gpu_enable_triton_gemm=false" not in alone
+  assert alone["+ xla_disable_hlo_passes=rematerialization"] == f"{user} --xla_disable_hlo_passes=rematerialization"
