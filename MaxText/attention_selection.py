@@ -14,9 +14,11 @@ _GPU_KERNELS = ("cudnn_flash_jax", "cudnn_flash_te")
 
 
 def cudnn_segments(dataset_type: str, packing: bool) -> str:
-  """How cudnn_flash_jax masks segments (gpu_attention.SEGMENTS): "lengths" when every row holds one document
-  padded at the end (synthetic data, or packing=false), else "mask"."""
-  return "lengths" if dataset_type == "synthetic" or not packing else "mask"
+  """How cudnn_flash_jax masks segments (gpu_attention.SEGMENTS): "causal" for synthetic data (every row one
+  whole document), "lengths" when every row holds one document padded at the end (packing=false), else "mask"."""
+  if dataset_type == "synthetic":
+    return "causal"
+  return "mask" if packing else "lengths"
 
 
 def _cudnn_obstacle(values) -> str:

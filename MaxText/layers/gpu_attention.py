@@ -8,13 +8,14 @@ The config (attention_selection.py) has checked dtype, head_dim and the options 
 Packed segments: `segments="mask"` passes the (B, 1, T, S) segment mask, which cuDNN applies as an additive
 bias (correct for any packing, but the bias is materialised and read: slower); `segments="lengths"` assumes one
 document per row, padded at the end with segment 0, and passes the per-row length, which cuDNN skips natively
-(the fast path: synthetic data, or packing=false).
+(packing=false); `segments="causal"` assumes every row is one whole document (synthetic data) and masks nothing
+but causality: cuDNN's plain causal kernel, the fastest.
 """
 
 import jax
 import jax.numpy as jnp
 
-SEGMENTS = ("mask", "lengths")
+SEGMENTS = ("mask", "lengths", "causal")
 
 
 def _row_lengths(segment_ids):
@@ -38,7 +39,8 @@ def cudnn_attention(
   Args:
     sliding_window: > 0 limits each query to that many most recent keys (itself included).
     logits_soft_cap: must be 0: cuDNN has no soft cap (the config rejects it before this point).
-    segments: "mask" (any packing) or "lengths" (one document per row, padding at the end).
+    segments: "mask" (any packing), "lengths" (one document per row, padding at the end) or "causal" (one whole
+      document per row: segment_ids are not read).
     implementation: "cudnn"; "xla" runs the same call through XLA's reference implementation (CPU tests).
   Returns:
     (B, T, Nq, D)
@@ -51,7 +53,7 @@ def cudnn_attention(
     mask = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
   elif segments == "lengths":
     lengths = _row_lengths(segment_ids)
-  else:
+  elif segments != "causal":
     raise ValueError(f"segments={segments!r}; expected one of {SEGMENTS}")
   return jax.nn.dot_product_attention(
     query,

@@ -68,7 +68,7 @@ def test_te_not_installed_names_the_setup_extra():
 
 
 def test_cudnn_segments_follow_the_data():
-  assert attention_selection.cudnn_segments("synthetic", True) == "lengths"
+  assert attention_selection.cudnn_segments("synthetic", True) == "causal"
   assert attention_selection.cudnn_segments("tfds", False) == "lengths"
   assert attention_selection.cudnn_segments("tfds", True) == "mask"
 

@@ -75,6 +75,12 @@ def test_row_lengths_match_dot_product_for_unpacked_rows(sliding_window):
   _compare(xla, _padded(), *_qkv(), atol=1e-5, sliding_window=sliding_window)
 
 
+@pytest.mark.parametrize("sliding_window", [0, 17])
+def test_causal_only_matches_dot_product_for_whole_rows(sliding_window):
+  xla = functools.partial(cudnn_attention, segments="causal", implementation="xla")
+  _compare(xla, jnp.ones((B, T), jnp.int32), *_qkv(), atol=1e-5, sliding_window=sliding_window)
+
+
 def test_row_lengths_would_be_wrong_for_packed_rows():
   """The reason the config picks "mask" for packed data: lengths alone let documents see each other."""
   seg = _packed()
@@ -100,7 +106,9 @@ _GPU_ATOL = 2e-2
 
 
 @needs_gpu
-@pytest.mark.parametrize("segments, segment_ids", [("mask", _packed), ("lengths", _padded)])
+@pytest.mark.parametrize(
+  "segments, segment_ids", [("mask", _packed), ("lengths", _padded), ("causal", lambda: jnp.ones((B, T), jnp.int32))]
+)
 def test_cudnn_matches_dot_product_on_gpu(segments, segment_ids):
   cudnn = jax.jit(functools.partial(cudnn_attention, segments=segments), static_argnames=("sliding_window",))
   _compare(cudnn, segment_ids(), *_qkv(jnp.bfloat16), atol=_GPU_ATOL)
