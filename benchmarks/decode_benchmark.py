@@ -56,8 +56,10 @@ def _device_bytes(tree) -> int:
 
 
 def kv_cache_bytes(config, rows: int) -> int:
-  """The KV cache of `rows` rows on one device: keys and values of every layer, max_target_length slots."""
-  per_row_slot = 2 * config.num_decoder_layers * config.num_kv_heads * config.head_dim * jnp.dtype(config.dtype).itemsize
+  """The KV cache of `rows` rows on one device: keys and values of every layer, max_target_length slots (an int8
+  cache counts 1 byte a value; its scales are left out)."""
+  itemsize = 1 if getattr(config, "quantize_kvcache", False) else jnp.dtype(config.dtype).itemsize
+  per_row_slot = 2 * config.num_decoder_layers * config.num_kv_heads * config.head_dim * itemsize
   return rows * config.max_target_length * per_row_slot // jax.device_count()
 
 

@@ -57,6 +57,8 @@ def test_decode_roofline_counts_params_and_the_whole_kv_cache():
   tokens_per_s = decode_benchmark.roofline_tokens_per_s(64, 10**9 + cache, 3350.0)
   assert tokens_per_s == pytest.approx(64 * 3350e9 / (10**9 + cache))
   assert decode_benchmark.roofline_tokens_per_s(1, 10**9, None) is None
+  int8 = types.SimpleNamespace(**{**vars(config), "quantize_kvcache": True})
+  assert decode_benchmark.kv_cache_bytes(int8, rows=64) == cache // 2
 
 
 def test_flag_ablation_runs_each_flag_of_the_preset_alone():
