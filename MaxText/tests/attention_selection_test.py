@@ -77,3 +77,21 @@ def test_config_resolves_autoselected_on_cpu_and_refuses_a_gpu_kernel():
   assert tiny_config().attention == "dot_product"
   with pytest.raises(ConfigError, match="attention=cudnn_flash_jax needs a GPU"):
     tiny_config("attention=cudnn_flash_jax")
+
+
+def test_the_devices_of_the_config_decide_not_this_host():
+  """An AOT target's GPUs (train_compile.py) allow the GPU kernels on a CPU host; autoselected picks cuDNN."""
+  import types  # pylint: disable=import-outside-toplevel
+
+  from MaxText import pyconfig  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.helpers import BASE_YML, tiny_args  # pylint: disable=import-outside-toplevel
+
+  gpus = [types.SimpleNamespace(platform="gpu", id=i, slice_index=0, process_index=0) for i in range(8)]
+
+  def attention(*args):
+    argv = ["test", BASE_YML, "run_name=t", *tiny_args("dtype=bfloat16", *args)]
+    return pyconfig.initialize(argv, environ={}, devices=gpus).attention
+
+  assert attention() == "cudnn_flash_jax"
+  assert attention("attention=cudnn_flash_jax") == "cudnn_flash_jax"
+  assert attention("dtype=float32") == "dot_product"
