@@ -31,6 +31,10 @@ HARDWARE = ("auto", "cpu", "gpu", "gpu_multiprocess", "tpu")
 XLA_FLAGS_PRESETS = ("", "a3mega")  # "" = none; the flags are in xla_flag_presets.PRESETS
 JAX_DISTRIBUTED_INIT = ("auto", "always", "never")
 NONFINITE_ACTIONS = ("abort", "skip", "none")
+QUANTIZATIONS = ("", "int8", "int8w", "fp8")
+FP8_SCALINGS = ("delayed", "current")
+KV_QUANT_AXES = ("heads_and_dkv", "dkv")
+KV_QUANT_DTYPES = ("int8",)
 STEP_WATCHDOG = ("auto", "true", "false")
 PROFILERS = ("", "xplane", "nsys")  # "" = off
 DECODE_SAMPLING_STRATEGIES = ("greedy", "weighted", "nucleus", "topk")

@@ -17,6 +17,10 @@ _CHOICES = {
   "xla_flags_preset": common_types.XLA_FLAGS_PRESETS,
   "jax_distributed_init": common_types.JAX_DISTRIBUTED_INIT,
   "nonfinite_action": common_types.NONFINITE_ACTIONS,
+  "quantization": common_types.QUANTIZATIONS,
+  "fp8_scaling": common_types.FP8_SCALINGS,
+  "kv_quant_axis": common_types.KV_QUANT_AXES,
+  "kv_quant_dtype": common_types.KV_QUANT_DTYPES,
   "step_watchdog": common_types.STEP_WATCHDOG,
   "profiler": common_types.PROFILERS,
   "compile_search": common_types.COMPILE_SEARCHES,
@@ -43,6 +47,7 @@ _POSITIVE_INTS = (
   "num_experts",
   "num_experts_per_tok",
   "max_prefill_predict_length",
+  "fp8_amax_history_length",
 )
 
 # key -> (low, high, low_inclusive, high_inclusive)

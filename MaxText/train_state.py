@@ -6,10 +6,19 @@ from typing import NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import struct
 from flax.training import train_state
 
 from MaxText import memory_check, optimizers, sharding
+from MaxText.layers import quantizations
 from MaxText.layers.models import Transformer
+
+
+class Fp8TrainState(train_state.TrainState):
+  """The train state of quantization=fp8: also each fp8 dense layer's scales and amax histories (`fp8_meta`),
+  which the step replaces by their new values (quantizations) instead of optimizing them."""
+
+  fp8_meta: dict = struct.field(default_factory=dict)
 
 
 def create_model(config) -> Transformer:
@@ -21,6 +30,9 @@ def _init_boxed_state(model, tx, config, rng) -> train_state.TrainState:
   tokens = jnp.ones(shape, jnp.int32)
   positions = jnp.broadcast_to(jnp.arange(shape[1], dtype=jnp.int32), shape)
   variables = model.init({"params": rng, "dropout": rng}, tokens, positions)
+  if quantizations.FP8_COLLECTION in variables:
+    fp8_meta = variables[quantizations.FP8_COLLECTION]
+    return Fp8TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx, fp8_meta=fp8_meta)
   return train_state.TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx)
 
 

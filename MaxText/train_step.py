@@ -13,19 +13,24 @@ import optax
 from MaxText import compiled_step_file, max_logging, memory_check, sharding
 from MaxText.diagnostics import nonfinite, numerics_stats, numerics_taps
 from MaxText.input_pipeline.packing import BATCH_KEYS
-from MaxText.layers import moe
+from MaxText.layers import moe, quantizations
 from MaxText.optimizers import create_learning_rate_schedule
 
 
-def _loss_terms(model, config, params, batch, dropout_rng, train: bool, numerics=None):
+def _loss_terms(model, config, params, batch, dropout_rng, train: bool, numerics=None, fp8_meta=None):
   """The summed loss to differentiate, and (real target tokens, the load-balancing part of that loss).
 
   The loss is the summed token cross-entropy plus, in training, load_balance_loss_weight x the MoE
   load-balancing loss x the real tokens: dividing the sums by all tokens, as for the cross-entropy, then
   averages it over microbatches. Eval (train=False) is cross-entropy only. With `numerics` (the inputs of the
   numerics statistics taps) the aux also holds the sown collections, where the taps put their reductions.
+  `fp8_meta` is quantization=fp8's state (quantizations).
   """
-  variables = {"params": params} if numerics is None else {"params": params, numerics_taps.COLLECTION: numerics}
+  variables = {"params": params}
+  if numerics is not None:
+    variables[numerics_taps.COLLECTION] = numerics
+  if fp8_meta is not None:
+    variables[quantizations.FP8_COLLECTION] = fp8_meta
   logits, sown = model.apply(
     variables,
     batch["inputs"],
@@ -53,27 +58,36 @@ def _rows_to_train_on(config, batch):
   return jax.tree.map(lambda x: x[:rows], batch)
 
 
-def _summed_grads(model, config, params, batch, dropout_rng, plan=None, numerics=None):
+def _summed_grads(model, config, params, batch, dropout_rng, plan=None, numerics=None, fp8_meta=None):
   """Gradient of the summed loss over all gradient_accumulation_steps microbatches, scanned one at a time.
 
   Summing per-token losses (not per-microbatch means) makes the result the large batch's gradient.
   Microbatch i takes rows i, i+G, i+2G, ... so that no row leaves the device it was loaded on.
 
-  Returns (summed loss, (real target tokens, load-balancing loss), grads, reductions): with a statistics `plan`
-  and its step inputs `numerics`, the loss is also differentiated with respect to the inputs (whose gradient
-  holds the activation gradients' reductions, see numerics_taps) and `reductions` are the whole batch's raw
-  reductions; without, None.
+  Returns (summed loss, (real target tokens, load-balancing loss), grads, reductions, new fp8_meta): with a
+  statistics `plan` and its step inputs `numerics`, the loss is also differentiated with respect to the inputs
+  (whose gradient holds the activation gradients' reductions, see numerics_taps) and `reductions` are the whole
+  batch's raw reductions, else None. With `fp8_meta` (quantization=fp8) it is differentiated with respect to that
+  state too, whose "gradient" is its new value (quantizations); microbatches combine them by their maximum (the
+  same histories rolled once, each with its own amax at the front), else None.
   """
 
   def grads_of(microbatch, rng):
-    if plan is None:
-      (loss, aux), grads = jax.value_and_grad(_loss_terms, argnums=2, has_aux=True)(
-        model, config, params, microbatch, rng, True
-      )
-      return loss, aux, grads, None
-    grad_fn = jax.value_and_grad(_loss_terms, argnums=(2, 6), has_aux=True)
-    (loss, (weights, moe_lb, sown)), (grads, numerics_grad) = grad_fn(model, config, params, microbatch, rng, True, numerics)
-    return loss, (weights, moe_lb), grads, plan.reductions(sown, numerics_grad)
+    wrt = {"params": params}
+    if plan is not None:
+      wrt["numerics"] = numerics
+    if fp8_meta is not None:
+      wrt["fp8_meta"] = fp8_meta
+
+    def loss_of(wrt):
+      return _loss_terms(model, config, wrt["params"], microbatch, rng, True, wrt.get("numerics"), wrt.get("fp8_meta"))
+
+    (loss, aux), grads = jax.value_and_grad(loss_of, has_aux=True)(wrt)
+    reductions = None
+    if plan is not None:
+      weights, moe_lb, sown = aux
+      aux, reductions = (weights, moe_lb), plan.reductions(sown, grads["numerics"])
+    return loss, aux, grads["params"], reductions, grads.get("fp8_meta")
 
   steps = config.gradient_accumulation_steps
   if steps == 1:
@@ -84,22 +98,32 @@ def _summed_grads(model, config, params, batch, dropout_rng, plan=None, numerics
 
   def accumulate(carry, microbatch_and_index):
     microbatch, index = microbatch_and_index
-    loss, aux, grads, reductions = grads_of(microbatch, jax.random.fold_in(dropout_rng, index))
-    acc_loss, acc_aux, acc_grads, acc_reductions = carry
+    loss, aux, grads, reductions, new_meta = grads_of(microbatch, jax.random.fold_in(dropout_rng, index))
+    acc_loss, acc_aux, acc_grads, acc_reductions, acc_meta = carry
     if plan is not None:
       acc_reductions = numerics_stats.combine(acc_reductions, reductions)
+    if fp8_meta is not None:
+      acc_meta = jax.tree.map(jnp.maximum, acc_meta, new_meta)
     return (
       acc_loss + loss,
       jax.tree.map(jnp.add, acc_aux, aux),
       jax.tree.map(jnp.add, acc_grads, grads),
       acc_reductions,
+      acc_meta,
     ), None
 
   zero = jnp.zeros((), jnp.float32)
-  init = (zero, (zero, zero), jax.tree.map(jnp.zeros_like, params), None if plan is None else plan.identity(numerics))
+  no_meta = None if fp8_meta is None else jax.tree.map(lambda m: jnp.full_like(m, -jnp.inf), fp8_meta)
+  init = (
+    zero,
+    (zero, zero),
+    jax.tree.map(jnp.zeros_like, params),
+    None if plan is None else plan.identity(numerics),
+    no_meta,
+  )
   microbatches = jax.tree.map(to_microbatches, batch)
-  (total_loss, aux, grads, reductions), _ = jax.lax.scan(accumulate, init, (microbatches, jnp.arange(steps)))
-  return total_loss, aux, grads, reductions
+  (total_loss, aux, grads, reductions, new_meta), _ = jax.lax.scan(accumulate, init, (microbatches, jnp.arange(steps)))
+  return total_loss, aux, grads, reductions, new_meta
 
 
 def train_step(model, config, state, batch):
@@ -114,25 +138,31 @@ def train_step(model, config, state, batch):
   plan, numerics = numerics_stats.create_plan(config, state.params), None
   if plan is not None:  # gradients of the mean loss: divided by the real target tokens, as `grads` below
     numerics = plan.step_inputs(state.step, 1.0 / jnp.maximum(jnp.sum(batch["targets_segmentation"] != 0), 1.0))
-  total_loss, (total_weights, moe_lb), summed_grads, reductions = _summed_grads(
-    model, config, state.params, batch, dropout_rng, plan, numerics
+  fp8_meta = getattr(state, "fp8_meta", None)  # train_state.Fp8TrainState (quantization=fp8)
+  total_loss, (total_weights, moe_lb), summed_grads, reductions, new_fp8_meta = _summed_grads(
+    model, config, state.params, batch, dropout_rng, plan, numerics, fp8_meta
   )
   denominator = jnp.maximum(total_weights, 1.0)  # An all-padding batch gives zero loss and no update.
   grads = jax.tree.map(lambda g: g / denominator, summed_grads)
   # A batch of padding only (the data ran out on every process) must not move the weights (momentum,
   # weight decay): skip the update, and do not count the step.
   has_tokens = total_weights > 0
+
+  def updated():
+    new_state = state.apply_gradients(grads=grads)
+    return new_state if fp8_meta is None else new_state.replace(fp8_meta=new_fp8_meta)
+
   if config.nonfinite_action == "none":
-    new_state = jax.lax.cond(has_tokens, lambda: state.apply_gradients(grads=grads), lambda: state)
+    new_state = jax.lax.cond(has_tokens, updated, lambda: state)
   else:  # A non-finite step keeps the params and the optimizer state, and counts as a step.
-    finite = nonfinite.is_finite(total_loss, optax.global_norm(grads))
+    finite = nonfinite.is_finite(total_loss, optax.tree.norm(grads))
     new_state = jax.lax.cond(
       has_tokens & finite,
-      lambda: state.apply_gradients(grads=grads),
+      updated,
       lambda: state.replace(step=state.step + has_tokens.astype(state.step.dtype)),
     )
 
-  raw_grad_norm = optax.global_norm(grads)
+  raw_grad_norm = optax.tree.norm(grads)
   threshold = config.gradient_clipping_threshold
   metrics = {
     "learning/loss": total_loss / denominator,
@@ -140,8 +170,8 @@ def train_step(model, config, state, batch):
     "learning/raw_grad_norm": raw_grad_norm,
     # clip_by_global_norm rescales to exactly the threshold, so the clipped norm needs no second pass.
     "learning/grad_norm": jnp.minimum(raw_grad_norm, threshold) if threshold > 0 else raw_grad_norm,
-    "learning/param_norm": optax.global_norm(new_state.params),
-    "learning/update_norm": optax.global_norm(jax.tree.map(jnp.subtract, new_state.params, state.params)),
+    "learning/param_norm": optax.tree.norm(new_state.params),
+    "learning/update_norm": optax.tree.norm(jax.tree.map(jnp.subtract, new_state.params, state.params)),
     "learning/current_learning_rate": create_learning_rate_schedule(config)(state.step),
   }
   if config.num_experts > 1:  # learning/loss includes this term (what is minimised), as upstream MaxText's

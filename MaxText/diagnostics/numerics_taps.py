@@ -50,7 +50,7 @@ REDUCTIONS = {
 }
 
 
-def reduce(x, reductions, fp8_dtype, scale=None):
+def reduce(x, reductions, fp8_dtype, scale=None, fp8_scale=None):
   """The raw reductions of x * scale (any shape), each a float32 scalar, without forming x * scale.
 
   Args:
@@ -62,11 +62,14 @@ def reduce(x, reductions, fp8_dtype, scale=None):
       rounds to the even 0).
     scale: a positive factor (traced), or None for 1: the reductions are scaled instead of the tensor, which
       would otherwise be materialized in float32 beside it.
+    fp8_scale: where a quantized GEMM casts x / fp8_scale to fp8 (quantization=fp8), that scale: underflows and
+      overflows are then those of its real cast (of x, not x * scale).
   """
   size = jnp.asarray(x.size, jnp.float32)
   x32 = x.astype(jnp.float32)
   one = jnp.ones((), jnp.float32) if scale is None else jnp.asarray(scale, jnp.float32)
-  flush_below = float(jnp.finfo(fp8_dtype).smallest_subnormal) / 2 / one
+  cast_unit = 1 / one if fp8_scale is None else jnp.asarray(fp8_scale, jnp.float32)  # |x| per unit of the fp8 value
+  flush_below = float(jnp.finfo(fp8_dtype).smallest_subnormal) / 2 * cast_unit
   out = {}
   for name in reductions:
     if name == "count":
@@ -88,65 +91,77 @@ def reduce(x, reductions, fp8_dtype, scale=None):
     elif name == "underflows":
       out[name] = jnp.sum((x != 0) & (jnp.abs(x32) <= flush_below), dtype=jnp.int32).astype(jnp.float32)
     elif name == "overflows":
-      beyond = float(jnp.finfo(fp8_dtype).max) / one
+      beyond = float(jnp.finfo(fp8_dtype).max) * cast_unit
       out[name] = jnp.sum(jnp.abs(x32) > beyond, dtype=jnp.int32).astype(jnp.float32)
     else:
       raise ValueError(f"unknown reduction {name}")
   return out
 
 
-def _gated_reduce(gate, x, reductions, fp8_dtype, scale=None):
-  """reduce(x, scale) where gate > 0, else zeros; the off branch costs only the predicate."""
+def _gated_reduce(gate, x, reductions, fp8_dtype, scale=None, fp8_scale=None):
+  """reduce(x, scale, fp8_scale) where gate > 0, else zeros; the off branch costs only the predicate."""
 
-  def on(x, scale):
-    return reduce(x, reductions, fp8_dtype, scale)
+  def on(x, scale, fp8_scale):
+    return reduce(x, reductions, fp8_dtype, scale, fp8_scale)
 
-  def off(x, scale):
-    del x, scale
+  def off(x, scale, fp8_scale):
+    del x, scale, fp8_scale
     return {name: jnp.zeros((), jnp.float32) for name in reductions}
 
-  return lax.cond(gate > 0, on, off, x, scale)
+  return lax.cond(gate > 0, on, off, x, scale, fp8_scale)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _gradient_tap(y, gate, scale, stats, reductions):
-  """The identity on y; its backward pass reduces y's cotangent into the cotangent of `stats` (see the module doc)."""
-  del gate, scale, stats, reductions
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _gradient_tap(y, gate, scale, stats, fp8_scaling, reductions, fp8_scale_of):
+  """The identity on y; its backward pass reduces y's cotangent into the cotangent of `stats` (see the module doc).
+
+  fp8_scale_of(g, fp8_scaling) is the scale that a quantized GEMM divides the gradient g by, or None.
+  """
+  del gate, scale, stats, fp8_scaling, reductions, fp8_scale_of
   return y
 
 
-def _gradient_tap_fwd(y, gate, scale, stats, reductions):
-  del reductions
-  return y, (gate, scale, stats)
+def _gradient_tap_fwd(y, gate, scale, stats, fp8_scaling, reductions, fp8_scale_of):
+  del reductions, fp8_scale_of
+  return y, (gate, scale, stats, fp8_scaling)
 
 
-def _gradient_tap_bwd(reductions, residuals, g):
-  gate, scale, stats = residuals
-  reduced = _gated_reduce(gate, g, reductions, FP8_FORMAT["gradient"], scale)
-  return g, jnp.zeros_like(gate), jnp.zeros_like(scale), {name: reduced[name].astype(stats[name].dtype) for name in stats}
+def _gradient_tap_bwd(reductions, fp8_scale_of, residuals, g):
+  gate, scale, stats, fp8_scaling = residuals
+  fp8_scale = None if fp8_scale_of is None else fp8_scale_of(g, fp8_scaling)
+  reduced = _gated_reduce(gate, g, reductions, FP8_FORMAT["gradient"], scale, fp8_scale)
+  zeros = jax.tree.map(jnp.zeros_like, (gate, scale, fp8_scaling))
+  return g, zeros[0], zeros[1], {name: reduced[name].astype(stats[name].dtype) for name in stats}, zeros[2]
 
 
 _gradient_tap.defvjp(_gradient_tap_fwd, _gradient_tap_bwd)
 
 
-def dot_general(module, inputs, kernel, dimension_numbers):
-  """lax.dot_general of a dense layer's input and kernel (as the GEMM takes them), with this layer's taps.
+def dot_general(module, inputs, kernel, dimension_numbers, gemm=lax.dot_general, fp8_scales=None):
+  """gemm (lax.dot_general, or a quantized one) of a dense layer's input and kernel, with this layer's taps.
 
   Args:
     module: the calling DenseGeneral (its `numerics` variables say what to collect).
     inputs, kernel: the GEMM's operands, already in the compute dtype.
     dimension_numbers: as lax.dot_general's.
+    gemm: called as lax.dot_general; the taps see its operands and its output's gradient.
+    fp8_scales: for a GEMM quantized to fp8, a function called only when a tensor is tapped, returning
+      ({"activation": scale, "weight": scale}, gradient scaling (arrays), fn(g, gradient scaling) -> g's scale),
+      the scales that the GEMM divides its operands by (quantizations.fp8_tap_scales); None otherwise.
   """
   taps = {t: module.get_variable(COLLECTION, t) for t in ("activation", "weight", "gradient")}
   taps = {t: tap for t, tap in taps.items() if tap is not None}
   if not taps:
-    return lax.dot_general(inputs, kernel, dimension_numbers)
+    return gemm(inputs, kernel, dimension_numbers)
+  operand_scales, gradient_scaling, gradient_scale_of = (fp8_scales and fp8_scales()) or ({}, None, None)
   for tensor, x in (("activation", inputs), ("weight", kernel)):
     if tensor in taps:
-      reduced = _gated_reduce(taps[tensor]["gate"], lax.stop_gradient(x), tuple(taps[tensor]["stats"]), FP8_FORMAT[tensor])
+      x, fp8_scale = lax.stop_gradient(x), operand_scales.get(tensor)
+      reduced = _gated_reduce(taps[tensor]["gate"], x, tuple(taps[tensor]["stats"]), FP8_FORMAT[tensor], None, fp8_scale)
       module.sow("intermediates", SOWN[tensor], reduced)
-  out = lax.dot_general(inputs, kernel, dimension_numbers)
+  out = gemm(inputs, kernel, dimension_numbers)
   if "gradient" in taps:
     tap = taps["gradient"]
-    out = _gradient_tap(out, tap["gate"], tap["scale"], tap["stats"], tuple(tap["stats"]))
+    stats = (tap["gate"], tap["scale"], tap["stats"])
+    out = _gradient_tap(out, *stats, gradient_scaling, tuple(tap["stats"]), gradient_scale_of)
   return out

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText.layers import initializers
+from MaxText.layers import initializers, kv_cache, quantizations
 from MaxText.layers.embeddings import Llama3RopeScaling, apply_rotary_embedding
 from MaxText.layers.flash_attention import flash_attention
 from MaxText.layers.gpu_attention import cudnn_attention, transformer_engine_attention
@@ -134,6 +134,9 @@ class Attention(nn.Module):
   norm_epsilon: float = 1e-6
   fused_qkv: bool = False
   cache_length: int = 0  # slots of the KV cache: max_target_length
+  quantize_kvcache: bool = False  # int8 keys and values in the cache, with a scale per kv_quant_axis
+  kv_quant_axis: str = "heads_and_dkv"  # "dkv": a scale per token and head; "heads_and_dkv": per token
+  quant: quantizations.Quantization | None = None
   dtype: str = "float32"
   weight_dtype: str = "float32"
 
@@ -145,6 +148,7 @@ class Attention(nn.Module):
       weight_dtype=self.weight_dtype,
       kernel_init=initializers.attention_kernel_init,
       use_bias=self.use_bias,
+      quant=self.quant,
     )
     if self.fused_qkv:
       qkv = dense((3, self.num_query_heads, self.head_dim), ("embed", None, "heads", "kv"), name="qkv_proj")(x)
@@ -155,21 +159,34 @@ class Attention(nn.Module):
     value = dense((self.num_kv_heads, self.head_dim), ("embed", "kv_heads", "kv_head_dim"), name="value")(x)
     return checkpoint_name(query, "query_proj"), checkpoint_name(key, "key_proj"), checkpoint_name(value, "value_proj")
 
-  def _update_cache(self, key, value, positions):
-    """Writes (B, T, Nkv, D) keys and values at slots positions[:, 0] ... + T - 1 of each row; returns the caches.
+  def _cached(self, name: str, new, positions):
+    """Writes new (B, T, ...) at slots positions[:, 0] ... + T - 1 of each row of the cache variable `name`.
 
-    A row's positions are consecutive within one call (a prompt from 0, or one generated token).
+    A row's positions are consecutive within one call (a prompt from 0, or one generated token). Returns the
+    whole cache (B, cache_length, ...).
     """
-    batch, _, num_kv, head_dim = key.shape
-    shape = (batch, self.cache_length, num_kv, head_dim)
     axes = ("cache_batch", "cache_sequence", "cache_heads", "cache_kv")
+    axes = tuple(a if size > 1 else None for a, size in zip(axes, new.shape))  # an int8 cache's scales: size 1
     zeros = nn.with_logical_partitioning(jnp.zeros, axes)
-    cached_key = self.variable("cache", "cached_key", zeros, shape, key.dtype)
-    cached_value = self.variable("cache", "cached_value", zeros, shape, value.dtype)
+    cached = self.variable("cache", name, zeros, (new.shape[0], self.cache_length, *new.shape[2:]), new.dtype)
     write = jax.vmap(lambda cache, new, start: jax.lax.dynamic_update_slice_in_dim(cache, new, start, axis=0))
-    cached_key.value = nn.with_logical_constraint(write(cached_key.value, key, positions[:, 0]), axes)
-    cached_value.value = nn.with_logical_constraint(write(cached_value.value, value, positions[:, 0]), axes)
-    return cached_key.value, cached_value.value
+    cached.value = nn.with_logical_constraint(write(cached.value, new, positions[:, 0]), axes)
+    return cached.value
+
+  def _update_cache(self, key, value, positions):
+    """Writes (B, T, Nkv, D) keys and values into the cache; returns the cached keys and values (B, S, Nkv, D).
+
+    With quantize_kvcache the cache holds them in int8 (cached_key) with their scales (cached_key_scale).
+    """
+    cached = []
+    for name, x in (("cached_key", key), ("cached_value", value)):
+      if self.quantize_kvcache:
+        q = kv_cache.quantize(x, self.kv_quant_axis)
+        q = kv_cache.Quantized(self._cached(name, q.values, positions), self._cached(f"{name}_scale", q.scale, positions))
+        cached.append(kv_cache.dequantize(q, x.dtype))
+      else:
+        cached.append(self._cached(name, x, positions))
+    return tuple(cached)
 
   @nn.compact
   def __call__(self, x, positions, segment_ids):
@@ -212,6 +229,7 @@ class Attention(nn.Module):
       weight_dtype=self.weight_dtype,
       kernel_init=initializers.attention_kernel_init,
       use_bias=self.use_bias,
+      quant=self.quant,
       name="out",
     )(out)
     return checkpoint_name(out, "out_proj")

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import flax.linen as nn
 
 from MaxText import attention_selection
+from MaxText.layers import quantizations
 from MaxText.layers.attentions import Attention
 from MaxText.layers.embeddings import Llama3RopeScaling
 from MaxText.layers.linears import MlpBlock
@@ -62,6 +63,9 @@ def self_attention(config, name: str = "self_attention", **family_options) -> At
     logits_soft_cap=config.attn_logits_soft_cap,
     fused_qkv=config.fused_qkv,
     cache_length=config.max_target_length,
+    quantize_kvcache=config.quantize_kvcache,
+    kv_quant_axis=config.kv_quant_axis,
+    quant=quantizations.from_config(config),
     norm_epsilon=config.normalization_layer_epsilon,
     dtype=config.dtype,
     weight_dtype=config.weight_dtype,
@@ -79,6 +83,7 @@ def mlp(config, name: str = "mlp", use_bias: bool = False) -> MlpBlock:
     weight_dtype=config.weight_dtype,
     use_bias=use_bias,
     fused=config.fused_mlp,
+    quant=quantizations.from_config(config),
     name=name,
   )
 

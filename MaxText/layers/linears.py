@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.diagnostics import numerics_taps
-from MaxText.layers import initializers
+from MaxText.layers import initializers, quantizations
 
 ACTIVATIONS = {
   "silu": nn.silu,
@@ -42,6 +42,7 @@ class DenseGeneral(nn.Module):
   weight_dtype: str = "float32"
   kernel_init: callable = initializers.default_kernel_init
   use_bias: bool = False
+  quant: quantizations.Quantization | None = None  # quantization=int8|int8w|fp8 (quantizations.from_config)
 
   @nn.compact
   def __call__(self, inputs):
@@ -57,8 +58,10 @@ class DenseGeneral(nn.Module):
     )
     inputs = inputs.astype(self.dtype)
     kernel = kernel.astype(self.dtype)
-    # The one GEMM of every dense layer: numerics statistics tap it here (see numerics_taps).
-    out = numerics_taps.dot_general(self, inputs, kernel, ((axis, in_axes), ((), ())))
+    # The one GEMM of every dense layer: quantized here, and numerics statistics tap it (see numerics_taps).
+    gemm = functools.partial(quantizations.dot_general, self, self.quant)
+    fp8_scales = functools.partial(quantizations.fp8_tap_scales, self, self.quant, inputs, kernel)
+    out = numerics_taps.dot_general(self, inputs, kernel, ((axis, in_axes), ((), ())), gemm, fp8_scales)
     if self.use_bias:
       bias_axes = tuple(self.kernel_axes)[len(kernel_in) :]
       bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, bias_axes), features, self.weight_dtype)
@@ -79,10 +82,13 @@ class MlpBlock(nn.Module):
   weight_dtype: str = "float32"
   use_bias: bool = False
   fused: bool = False
+  quant: quantizations.Quantization | None = None
 
   @nn.compact
   def __call__(self, x, deterministic: bool):
-    dense = functools.partial(DenseGeneral, dtype=self.dtype, weight_dtype=self.weight_dtype, use_bias=self.use_bias)
+    dense = functools.partial(
+      DenseGeneral, dtype=self.dtype, weight_dtype=self.weight_dtype, use_bias=self.use_bias, quant=self.quant
+    )
     num = len(self.activations)
     if self.fused and num > 1:
       h = dense((num, self.intermediate_dim), ("embed", None, "mlp"), name="wi")(x)  # (B, T, A, M)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from MaxText import common_types
 from MaxText.diagnostics import numerics_taps
-from MaxText.layers import block_parts, gemma, gemma2, gpt3
+from MaxText.layers import block_parts, gemma, gemma2, gpt3, quantizations
 from MaxText.layers.attentions import soft_cap
 from MaxText.layers.block_parts import DecoderFamily
 from MaxText.layers.default_block import DecoderLayer
@@ -32,8 +32,15 @@ DECODER_BLOCKS = {
 }
 
 # Collections that the scanned layers stack on axis 0 besides their params: sown statistics (e.g. MoE routing, for
-# the load-balancing loss), KV caches, and the per-layer inputs of the numerics statistics (numerics_taps).
-STACKED_COLLECTIONS = {"intermediates": 0, "cache": 0, numerics_taps.COLLECTION: 0}
+# the load-balancing loss), KV caches, the per-layer inputs of the numerics statistics (numerics_taps), and the
+# fp8 state and per-layer recipes of quantization (quantizations).
+STACKED_COLLECTIONS = {
+  "intermediates": 0,
+  "cache": 0,
+  numerics_taps.COLLECTION: 0,
+  quantizations.FP8_COLLECTION: 0,
+  quantizations.TABLE_COLLECTION: 0,
+}
 
 _cp = jax.checkpoint_policies
 _QKV = ("query_proj", "value_proj", "key_proj", "qkv_proj")
@@ -90,6 +97,10 @@ class Decoder(nn.Module):
   config: object
   shared_embedding: nn.Module
 
+  @property
+  def quant(self):
+    return quantizations.from_config(self.config)
+
   def _block_stack(self):
     cfg = self.config
     block = DECODER_BLOCKS[cfg.decoder_block].layer
@@ -127,6 +138,9 @@ class Decoder(nn.Module):
         length=num_blocks(cfg),
         metadata_params={nn.PARTITION_NAME: "layers"},
       )
+      tables = None if self.is_initializing() else quantizations.layer_tables(self.quant, self.variables["params"]["layers"])
+      if tables is not None:  # each layer's quantization recipe, which its dense modules switch on
+        stack = nn.map_variables(stack, quantizations.TABLE_COLLECTION, trans_in_fn=lambda _: tables, init=False)
       y, _ = stack(config=cfg, name="layers")(y, segment_ids, positions, deterministic)
     else:
       for i in range(num_blocks(cfg)):

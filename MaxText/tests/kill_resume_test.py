@@ -16,7 +16,7 @@ from MaxText.tests.helpers import REPO_ROOT, TRAIN_PY, read_metrics, tiny_args
 STEPS = 40
 
 
-def _command(tmp_path, run_name, per_device_batch):
+def _command(tmp_path, run_name, per_device_batch, *extra):
   args = tiny_args(
     f"base_output_directory={tmp_path}",
     f"metrics_file={tmp_path / run_name}.jsonl",
@@ -27,6 +27,7 @@ def _command(tmp_path, run_name, per_device_batch):
     "base_mlp_dim=256",
     "max_target_length=64",
     f"per_device_batch_size={per_device_batch}",
+    *extra,
   )
   return [sys.executable, TRAIN_PY, "MaxText/configs/base.yml", f"run_name={run_name}", *args]
 

@@ -370,9 +370,9 @@ def test_off_by_default_compiles_to_the_same_step_as_without_the_feature(monkeyp
   config = tiny_config()
   assert config.numerics_debug_config == "" and config.numerics_debug == {}
   with_feature = _compiled_hlo(config)
-  # Without the feature's code path: the dense layers call lax.dot_general, the scan stacks no `numerics`
-  # collection, and the step builds no statistics plan.
-  monkeypatch.setattr(numerics_taps, "dot_general", lambda module, x, kernel, dims: lax.dot_general(x, kernel, dims))
+  # Without the feature's code path (nor quantization's): the dense layers call lax.dot_general, the scan stacks
+  # no `numerics` collection, and the step builds no statistics plan.
+  monkeypatch.setattr(numerics_taps, "dot_general", lambda module, x, kernel, dims, *_: lax.dot_general(x, kernel, dims))
   monkeypatch.setattr(models, "STACKED_COLLECTIONS", {"intermediates": 0, "cache": 0})
   monkeypatch.setattr(numerics_stats, "create_plan", lambda config, params: None)
   assert _compiled_hlo(config) == with_feature

@@ -1,0 +1,323 @@
+"""quantization=int8 | int8w | fp8: the GEMMs of the dense layers in low precision, chosen per layer and per GEMM.
+
+- int8: the forward GEMM (fprop) and both backward GEMMs (dgrad: the input's gradient, wgrad: the kernel's) take
+  int8 operands with per-channel absmax scales, through qwix's quantized-training dot_general. int8w: the
+  kernel only, in fprop (the backward GEMMs stay in high precision).
+- fp8: E4M3 activations and kernels, E5M2 gradients (the hybrid recipe of TransformerEngine and upstream
+  MaxText), one scale per tensor. fp8_scaling=delayed (the default) takes the scale from the largest amax of the
+  last fp8_amax_history_length steps; fp8_scaling=current from the tensor's own amax. Each fp8 dense layer keeps
+  its scales and amax histories in the `fp8_meta` collection, which the train state holds next to the params
+  (train_state.Fp8TrainState): the step differentiates the loss with respect to them too, and the custom VJP below
+  returns their updated values as that "gradient" (as flax's fp8_ops do), so no optimizer, clipping or weight
+  decay touches them. Without that collection (eval, decode) every tensor is scaled by its own amax.
+
+Per layer and per GEMM, the numerics debug YAML (numerics_debug_config) overrides the default (every GEMM of
+every layer in low precision): disable_fp8_layer and disable_fp8_gemm keep GEMMs in high precision (exactly
+lax.dot_general), per_tensor_scaling switches them to current scaling with scale = amax * 2**margin / max. The
+same selectors apply to int8, whose scales are always current. Only the dense layers inside the decoder layers
+are quantized: not the logits, the MoE router or the experts.
+
+Scanned layers run one traced body for every layer, so where a module's layers differ, the decoder feeds each
+layer the index of its recipe (the `quantization` collection, stacked by nn.scan; see layer_tables) and the
+module picks the GEMM with lax.switch.
+"""
+
+import dataclasses
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax.linen import fp8_ops
+from jax import lax
+
+from MaxText.diagnostics import layer_names, numerics_config
+
+FP8_COLLECTION = "fp8_meta"
+TABLE_COLLECTION = "quantization"
+GEMMS = numerics_config.GEMMS  # fprop, dgrad, wgrad
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+# One fp8 dense layer's state, per operand: the delayed scale and the amax of the last steps.
+FP8_FORMATS = {"input": E4M3, "kernel": E4M3, "output_grad": E5M2}
+FP8_TENSORS = tuple(FP8_FORMATS)
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Recipe:
+  """How one dense layer's three GEMMs (GEMMS order) run."""
+
+  low: tuple[bool, bool, bool] = (False, False, False)  # in low precision
+  current: tuple[bool, bool, bool] = (False, False, False)  # fp8: current (not delayed) scaling of the operands
+  margin: tuple[int, int, int] = (0, 0, 0)  # fp8 current scaling: amax * 2**margin
+
+  @property
+  def high(self) -> bool:
+    return not any(self.low)
+
+
+HIGH = Recipe()
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantization:
+  """The config's quantization, which every dense layer of the decoder layers reads (its `quant` field)."""
+
+  mode: str
+  fp8_current_scaling: bool = False
+  amax_history_length: int = 1024
+  numerics: numerics_config.NumericsDebugConfig = numerics_config.NumericsDebugConfig()
+  scanned_blocks: int = 0  # the scanned stack's length (0: unrolled layers)
+
+  @property
+  def fp8(self) -> bool:
+    return self.mode == "fp8"
+
+  def recipe(self, name: str) -> Recipe:
+    """The recipe of the dense layer `name` (as list_layers.py prints it)."""
+    if layer_names.layer_number(name) is None:
+      return HIGH
+    low, current, margin = [], [], []
+    for gemm in GEMMS:
+      precision = self.numerics.gemm_precision(name, gemm)
+      low.append(precision.low_precision and (self.mode != "int8w" or gemm == "fprop"))
+      use_current = self.fp8 and (self.fp8_current_scaling or precision.per_tensor_scaling)
+      current.append(use_current)
+      margin.append(precision.margin if self.fp8 and precision.per_tensor_scaling else 0)
+    return Recipe(tuple(low), tuple(current), tuple(margin))
+
+  def layer_recipes(self, module_path: tuple[str, ...]) -> tuple[list[Recipe], list[int]]:
+    """(the distinct recipes of a dense module, the index in them of each layer it runs for).
+
+    A module of the scanned stack (decoder/layers/...) runs for every layer; any other module for itself.
+    """
+    if self.scanned_blocks and module_path[:2] == ("decoder", "layers"):
+      recipes = [self.recipe(layer_names.dotted(module_path, i)) for i in range(self.scanned_blocks)]
+    else:
+      recipes = [self.recipe(layer_names.dotted(module_path))]
+    distinct = sorted(set(recipes))
+    return distinct, [distinct.index(r) for r in recipes]
+
+  def quantizes(self, module_path: tuple[str, ...]) -> bool:
+    """Whether a dense module is one of the decoder layers' (quantized unless the YAML says otherwise)."""
+    if self.scanned_blocks and module_path[:2] == ("decoder", "layers"):
+      return True
+    return layer_names.layer_number(layer_names.dotted(module_path)) is not None
+
+
+def from_config(config) -> Quantization | None:
+  """The config's quantization, or None for quantization=''."""
+  if not config.quantization:
+    return None
+  return Quantization(
+    mode=config.quantization,
+    fp8_current_scaling=config.fp8_scaling == "current",
+    amax_history_length=config.fp8_amax_history_length,
+    numerics=numerics_config.from_config(config),
+    scanned_blocks=config.num_decoder_layers // _layers_per_block(config) if config.scan_layers else 0,
+  )
+
+
+def _layers_per_block(config) -> int:
+  from MaxText import common_types  # pylint: disable=import-outside-toplevel
+
+  return common_types.DECODER_LAYERS_PER_BLOCK.get(config.decoder_block, 1)
+
+
+def layer_tables(quant: Quantization | None, block_params) -> dict | None:
+  """The `quantization` collection of the scanned stack: for each dense module whose layers differ, the index of
+  each layer's recipe (int32, stacked on axis 0); None when no module needs one.
+
+  Args:
+    quant: the Quantization.
+    block_params: the scanned stack's params (decoder/layers), arrays or shapes.
+  """
+  if quant is None or not quant.scanned_blocks:
+    return None
+  tables = {}
+  for keys, _ in layer_names.flatten(nn.unbox(block_params)):
+    if keys[-1] != "kernel":
+      continue
+    distinct, indices = quant.layer_recipes(("decoder", "layers", *keys[:-1]))
+    if len(distinct) > 1:
+      node = tables
+      for key in keys[:-1]:
+        node = node.setdefault(key, {})
+      node["recipe"] = jnp.asarray(indices, jnp.int32)
+  return {TABLE_COLLECTION: tables} if tables else None
+
+
+# --- the GEMMs ---------------------------------------------------------------------------------------------------
+
+
+def _qwix_dot_general_qt():
+  """qwix's quantized-training dot_general (per-GEMM types), imported only for int8: the other paths run without
+  qwix installed (hosts that carry their packages, see the README)."""
+  from qwix._src.core import dot_general_qt  # pylint: disable=import-outside-toplevel
+
+  return dot_general_qt
+
+
+def _int8_config(mode: str, recipe: Recipe):
+  fprop, dgrad, wgrad = recipe.low
+  int8 = jnp.int8
+  return _qwix_dot_general_qt().DotGeneralQtConfig(
+    lhs_qtype=int8 if fprop and mode == "int8" else None,
+    rhs_qtype=int8 if fprop else None,
+    dlhs_grad_qtype=int8 if dgrad else None,
+    drhs_grad_qtype=int8 if wgrad else None,
+    # A backward GEMM in high precision must see the operands as they were, not their int8 copies; a quantized
+    # one then quantizes its own (the kernel for dgrad, the input for wgrad).
+    use_original_residuals=not (fprop == dgrad == wgrad),
+    dlhs_residual_qtype=int8 if dgrad else None,
+    drhs_residual_qtype=int8 if wgrad else None,
+  )
+
+
+def _fp8_scale(x, old_scale, history, fp8_dtype, current: bool, margin: int):
+  """The dequantization scale of x (x / scale is cast to fp8): from x's amax (current) or the history (delayed)."""
+  amax = jnp.max(jnp.abs(x)).astype(jnp.float32) if current else jnp.max(history)
+  return fp8_ops.compute_scale(amax, old_scale, fp8_ops.get_fp8_max(fp8_dtype, jnp.float32), margin)
+
+
+def _qdq(x, fp8_dtype, scale):
+  return fp8_ops.qdq(x, fp8_dtype, scale, x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _fp8_dot(x, kernel, meta, dims, recipe):
+  return _fp8_dot_fwd(x, kernel, meta, dims, recipe)[0]
+
+
+def _fp8_dot_fwd(x, kernel, meta, dims, recipe):
+  delayed = {t: _fp8_scale(None, meta[f"{t}_scale"], meta[f"{t}_amax_history"], f, False, 0) for t, f in FP8_FORMATS.items()}
+  if recipe.low[0]:
+    sx = _fp8_scale(x, meta["input_scale"], meta["input_amax_history"], E4M3, recipe.current[0], recipe.margin[0])
+    sw = _fp8_scale(kernel, meta["kernel_scale"], meta["kernel_amax_history"], E4M3, recipe.current[0], recipe.margin[0])
+    out = lax.dot_general(_qdq(x, E4M3, sx), _qdq(kernel, E4M3, sw), dims)
+  else:
+    out = lax.dot_general(x, kernel, dims)
+  new_meta = {
+    "input_scale": delayed["input"],
+    "input_amax_history": fp8_ops.compute_amax_history(x, meta["input_amax_history"]),
+    "kernel_scale": delayed["kernel"],
+    "kernel_amax_history": fp8_ops.compute_amax_history(kernel, meta["kernel_amax_history"]),
+    "output_grad_scale": delayed["output_grad"],
+    "output_grad_amax_history": meta["output_grad_amax_history"],
+  }
+  return out, (x, kernel, meta, new_meta)
+
+
+def _fp8_dot_bwd(dims, recipe, residuals, g):
+  x, kernel, meta, new_meta = residuals
+  new_meta = dict(new_meta, output_grad_amax_history=fp8_ops.compute_amax_history(g, meta["output_grad_amax_history"]))
+
+  def operands(gemm: int):
+    """The (x, kernel, g) that GEMM `gemm` takes: fp8 copies when it runs in low precision."""
+    if not recipe.low[gemm]:
+      return x, kernel, g
+    current, margin = recipe.current[gemm], recipe.margin[gemm]
+    sx = _fp8_scale(x, meta["input_scale"], meta["input_amax_history"], E4M3, current, margin)
+    sw = _fp8_scale(kernel, meta["kernel_scale"], meta["kernel_amax_history"], E4M3, current, margin)
+    sg = _fp8_scale(g, meta["output_grad_scale"], meta["output_grad_amax_history"], E5M2, current, margin)
+    return _qdq(x, E4M3, sx), _qdq(kernel, E4M3, sw), _qdq(g, E5M2, sg)
+
+  _, kernel_d, g_d = operands(1)
+  dx = jax.vjp(lambda x_: lax.dot_general(x_, kernel_d, dims), x)[1](g_d)[0]
+  x_w, _, g_w = operands(2)
+  dkernel = jax.vjp(lambda k_: lax.dot_general(x_w, k_, dims), kernel)[1](g_w)[0]
+  # The "gradient" of the state is its new value (train_step stores it instead of applying it).
+  return dx, dkernel, jax.tree.map(lambda new, old: new.astype(old.dtype), new_meta, meta)
+
+
+_fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
+
+
+def _gemm(quant: Quantization, recipe: Recipe, meta, x, kernel, dims):
+  """One dense layer's GEMM under `recipe`; the result has lax.dot_general's dtype."""
+  if quant.fp8:  # a layer in high precision too: its fp8 state follows its tensors
+    return _fp8_dot(x, kernel, meta, dims, recipe)
+  if recipe.high:
+    return lax.dot_general(x, kernel, dims)
+  out = _qwix_dot_general_qt().dot_general_qt(x, kernel, dims, _int8_config(quant.mode, recipe))
+  return out.astype(jnp.result_type(x, kernel))
+
+
+def _fp8_meta(module, quant: Quantization):
+  """The module's fp8 state (created at init: scales 1, histories 0), or None where none is given (eval, decode)."""
+  if module.is_initializing():
+    for t in FP8_TENSORS:
+      module.variable(FP8_COLLECTION, f"{t}_scale", jnp.ones, (), jnp.float32)
+      module.variable(FP8_COLLECTION, f"{t}_amax_history", jnp.zeros, (quant.amax_history_length,), jnp.float32)
+  if not module.has_variable(FP8_COLLECTION, "input_scale"):
+    return None
+  return {
+    f"{t}_{v}": module.get_variable(FP8_COLLECTION, f"{t}_{v}") for t in FP8_TENSORS for v in ("scale", "amax_history")
+  }
+
+
+def _stateless_fp8(recipe: Recipe, length: int):
+  """Without fp8 state, every operand is scaled by its own amax: (the recipe so, a placeholder state)."""
+  meta = {f"{t}_scale": jnp.ones((), jnp.float32) for t in FP8_TENSORS}
+  meta.update({f"{t}_amax_history": jnp.zeros((length,), jnp.float32) for t in FP8_TENSORS})
+  return dataclasses.replace(recipe, current=(True, True, True)), meta
+
+
+def _layer(module, quant: Quantization):
+  """(this module's distinct recipes, its fp8 state or None, the index of this layer's recipe or None)."""
+  distinct, _ = quant.layer_recipes(module.path)
+  meta = _fp8_meta(module, quant) if quant.fp8 else None
+  if quant.fp8 and meta is None:
+    pairs = [_stateless_fp8(r, quant.amax_history_length) for r in distinct]
+    distinct, meta = [r for r, _ in pairs], pairs[0][1]
+  index = None
+  if len(distinct) > 1:
+    index = module.get_variable(TABLE_COLLECTION, "recipe")
+    if index is None and not module.is_initializing():  # init needs the shapes only
+      raise ValueError(f"{'/'.join(module.path)}: its layers are quantized differently but no recipe table was given")
+  return distinct, meta, index
+
+
+def _per_layer(distinct, index, values):
+  """values[i] belongs to distinct[i]: this layer's, as an array."""
+  return values[0] if index is None else jnp.asarray(values)[index]
+
+
+def dot_general(module, quant: Quantization | None, x, kernel, dims):
+  """The GEMM of the DenseGeneral `module`: quantized as `quant` says for this layer, else lax.dot_general."""
+  if quant is None or not quant.quantizes(module.path):
+    return lax.dot_general(x, kernel, dims)
+  distinct, meta, index = _layer(module, quant)
+  branches = [functools.partial(_gemm, quant, recipe, meta, dims=dims) for recipe in distinct]
+  if index is None:
+    return branches[0](x, kernel)
+  return lax.switch(index, branches, x, kernel)
+
+
+def gradient_fp8_scale(g, scaling):
+  """The scale of the gradient g in its dgrad GEMM, from scaling = (delayed scale, current 0/1, margin)."""
+  delayed, current, margin = scaling
+  fp8_max = fp8_ops.get_fp8_max(E5M2, jnp.float32)
+  own = fp8_ops.compute_scale(jnp.max(jnp.abs(g)).astype(jnp.float32), jnp.ones((), jnp.float32), fp8_max, margin)
+  return jnp.where(current > 0, own, delayed)
+
+
+def fp8_tap_scales(module, quant: Quantization | None, x, kernel):
+  """The scales that this layer's fp8 GEMMs divide their operands by, for the FP8 statistics of numerics_taps:
+  (fprop's {"activation": scale, "weight": scale}, dgrad's gradient scaling, gradient_fp8_scale); None unless fp8."""
+  if quant is None or not quant.fp8 or not quant.quantizes(module.path):
+    return None
+  distinct, meta, index = _layer(module, quant)
+
+  def scale(tensor, value, gemm, recipe):
+    fmt = FP8_FORMATS[tensor]
+    current, margin = recipe.current[gemm], recipe.margin[gemm]
+    return _fp8_scale(value, meta[f"{tensor}_scale"], meta[f"{tensor}_amax_history"], fmt, current, margin)
+
+  operands = {
+    name: _per_layer(distinct, index, [scale(tensor, value, 0, r) for r in distinct])
+    for name, tensor, value in (("activation", "input", x), ("weight", "kernel", kernel))
+  }
+  delayed = _fp8_scale(None, meta["output_grad_scale"], meta["output_grad_amax_history"], E5M2, False, 0)
+  current = _per_layer(distinct, index, [float(r.current[1]) for r in distinct])
+  margin = _per_layer(distinct, index, [float(r.margin[1]) for r in distinct])
+  return operands, (delayed, jnp.asarray(current, jnp.float32), jnp.asarray(margin, jnp.float32)), gradient_fp8_scale
