@@ -123,6 +123,7 @@ def test_target_eval_loss_stops_training(tmp_path, data):
   assert len(metrics) == 2
 
 
+@pytest.mark.slow
 def test_running_out_of_data_stops_cleanly(tmp_path, data):
   _, flags = data
   result, metrics = run_train(

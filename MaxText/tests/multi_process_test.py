@@ -67,7 +67,10 @@ LAYOUTS = {  # name: (data, mesh flags, the rows each process loads)
 }
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+# "blocks" runs with the unit tests; the other layouts (2-4 minutes of subprocesses) with the slow ones.
+@pytest.mark.parametrize(
+  "layout", [layout if layout == "blocks" else pytest.param(layout, marks=pytest.mark.slow) for layout in LAYOUTS]
+)
 def test_two_processes_load_their_rows_and_match_one_process(tmp_path, data_flags, layout):
   data, mesh_flags, rows = LAYOUTS[layout]
   flags = [*data_flags[data], *mesh_flags]

@@ -74,6 +74,7 @@ def test_train_logs_every_step_everywhere(tmp_path):
   assert "steps: 6  # command line" in (tmp_path / "logs" / "config.yml").read_text()
 
 
+@pytest.mark.slow
 def test_same_command_gives_the_same_losses_and_seeds_change_them(tmp_path):
   _, first = _train(tmp_path, "a", "steps=3")
   _, again = _train(tmp_path, "b", "steps=3")
