@@ -118,6 +118,26 @@ def check_checkpoint_fits(checkpoint_params, model_params, where: str) -> None:
     )
 
 
+def check_quantization_state(tree, abstract_state, where: str, items_path: str) -> None:
+  """Raises a UserError when a checkpoint holds quantization=fp8's state and the run has none, or the reverse.
+
+  Args:
+    tree: the checkpoint's metadata tree; abstract_state: this run's; where: the checkpoint, for the message;
+    items_path: its items directory, which load_parameters_path takes.
+  """
+  saved, wanted = "fp8_meta" in tree, hasattr(abstract_state, "fp8_meta")
+  if saved == wanted:
+    return
+  if saved:
+    problem, resume = "holds the fp8 state of quantization=fp8, which this run does not use", "quantization=fp8"
+  else:
+    problem, resume = "holds no fp8 state, which this run's quantization=fp8 needs", "the quantization it was trained with"
+  raise UserError(
+    f"checkpoint {where} {problem}: resume with {resume}, or change it in a new run_name started from its params "
+    f"(load_parameters_path={items_path})"
+  )
+
+
 def _all_processes(ok: bool) -> bool:
   """True when `ok` holds on every process (so that all take the same branch)."""
   if jax.process_count() == 1:
@@ -296,6 +316,7 @@ def restore_latest(manager, abstract_state):
       damaged = True
       continue
     check_checkpoint_fits(saved_params, abstract_state.params, where)
+    check_quantization_state(tree, abstract_state, where, f"{where}/{STATE_ITEM}")
     try:
       args = {STATE_ITEM: ocp.args.StandardRestore(abstract_state), DATA_ITEM: DataIteratorRestore()}
       restored = manager.restore(step, args=ocp.args.Composite(**args))
@@ -343,6 +364,7 @@ def load_full_state(path: str, abstract_state):
   if "opt_state" not in tree:
     raise UserError(f"load_full_state_path={path} holds params only (no optimizer state); use load_parameters_path")
   check_checkpoint_fits(tree["params"], abstract_state.params, path)
+  check_quantization_state(tree, abstract_state, path, path)
   try:
     state = ocp.StandardCheckpointer().restore(path, abstract_state)
   except Exception as e:  # pylint: disable=broad-except  # e.g. another optimizer's state

@@ -368,3 +368,20 @@ def test_unquantized_models_have_no_quantization_state():
   assert quantizations.from_config(config) is None
   setup = train_state.build(config, mesh.create_device_mesh(config))
   assert not hasattr(setup.abstract_state, "fp8_meta")
+
+
+def test_resuming_across_a_change_of_fp8_is_one_clear_error():
+  from MaxText import checkpointing  # pylint: disable=import-outside-toplevel
+  from MaxText.errors import UserError  # pylint: disable=import-outside-toplevel
+
+  def abstract(*args):
+    config = tiny_config(*args)
+    return train_state.build(config, mesh.create_device_mesh(config)).abstract_state
+
+  fp8, plain = abstract("quantization=fp8"), abstract()
+  with pytest.raises(UserError, match=r"holds the fp8 state of quantization=fp8, which this run does not use: resume "):
+    checkpointing.check_quantization_state({"params": {}, "fp8_meta": {}}, plain, "ck/5", "ck/5/items")
+  with pytest.raises(UserError, match=r"holds no fp8 state.*\(load_parameters_path=ck/5/items\)"):
+    checkpointing.check_quantization_state({"params": {}}, fp8, "ck/5", "ck/5/items")
+  checkpointing.check_quantization_state({"params": {}, "fp8_meta": {}}, fp8, "ck/5", "ck/5/items")
+  checkpointing.check_quantization_state({"params": {}}, plain, "ck/5", "ck/5/items")
