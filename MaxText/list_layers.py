@@ -5,7 +5,8 @@
 One line per dense layer (scanned layers expanded by index): its name (e.g. decoder.layers.4.self_attention.out,
 what layer_name_regex_pattern matches in full), its layer number (counted from 1, what layer_numbers selects),
 its type (what layer_types selects) and its kernel's shape. With numerics_debug_config=<file> it also names the
-enabled sections that select each layer. Nothing is allocated: the model is traced on shapes only.
+enabled sections that select each layer, and with quantization=int8|int8w|fp8 how each layer's GEMMs run (e.g.
+"fp8: fprop dgrad, wgrad high"). Nothing is allocated: the model is traced on shapes only.
 """
 
 import os
@@ -22,17 +23,21 @@ def layer_lines(config, params) -> list[str]:
   """The listing of the dense layers of `params` (arrays or shapes), one line each, after a header."""
   # pylint: disable=import-outside-toplevel
   from MaxText.diagnostics import layer_names, numerics_config
+  from MaxText.layers import quantizations
 
   numerics = numerics_config.from_config(config)
+  quant = quantizations.from_config(config)
   layers = layer_names.dense_layers(params, config)
   width = max(len(layer.name) for layer in layers)
   header = f"{'name':<{width}}  number  {'type':<13}  kernel shape"
-  lines = [header + ("  sections" if numerics else "")]
+  lines = [header + ("  sections" if numerics else "") + ("  quantization" if quant else "")]
   for layer in layers:
     number = "-" if layer.number is None else str(layer.number)
     line = f"{layer.name:<{width}}  {number:>6}  {layer.type or '-':<13}  {list(layer.kernel_shape)}"
     if numerics:
       line += "  " + (", ".join(s.name for s in numerics.sections_for(layer.name)) or "-")
+    if quant:
+      line += "  " + quantizations.describe(quant.mode, quant.recipe(layer.name))
     lines.append(line)
   return lines
 

@@ -58,6 +58,21 @@ class Recipe:
 HIGH = Recipe()
 
 
+def describe(mode: str, recipe: Recipe) -> str:
+  """e.g. "fp8: fprop dgrad, wgrad high; current scaling (margin 1): fprop" (list_layers.py)."""
+  if recipe.high:
+    return "high precision"
+  low = [g for g, on in zip(GEMMS, recipe.low) if on]
+  high = [g for g, on in zip(GEMMS, recipe.low) if not on]
+  text = f"{mode}: {' '.join(low)}" + (f", {' '.join(high)} high" if high and mode != "int8w" else "")
+  current = [
+    f"{g}" + (f" (margin {m})" if m else "")
+    for g, on, c, m in zip(GEMMS, recipe.low, recipe.current, recipe.margin)
+    if on and c
+  ]
+  return text + (f"; current scaling: {' '.join(current)}" if current else "")
+
+
 @dataclasses.dataclass(frozen=True)
 class Quantization:
   """The config's quantization, which every dense layer of the decoder layers reads (its `quant` field)."""

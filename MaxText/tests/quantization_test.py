@@ -385,3 +385,16 @@ def test_resuming_across_a_change_of_fp8_is_one_clear_error():
     checkpointing.check_quantization_state({"params": {}}, fp8, "ck/5", "ck/5/items")
   checkpointing.check_quantization_state({"params": {}, "fp8_meta": {}}, fp8, "ck/5", "ck/5/items")
   checkpointing.check_quantization_state({"params": {}}, plain, "ck/5", "ck/5/items")
+
+
+def test_list_layers_says_how_each_layer_runs(tmp_path):
+  from MaxText import list_layers  # pylint: disable=import-outside-toplevel
+
+  config = tiny_config("quantization=fp8", f"numerics_debug_config={_write(tmp_path, FIRST_LAYER_HIGH)}")
+  params = train_state.build(config, mesh.create_device_mesh(config), params_only=True).abstract_state.params
+  lines = {line.split()[0]: line for line in list_layers.layer_lines(config, params)[1:]}
+  assert lines["decoder.layers.0.mlp.wo"].endswith("first_layer_high  high precision")
+  assert lines["decoder.layers.1.mlp.wo"].endswith("-  fp8: fprop dgrad wgrad")
+  assert lines["decoder.logits_dense"].endswith("high precision")
+  recipe = quantizations.Recipe(low=(True, True, False), current=(True, False, False), margin=(1, 0, 0))
+  assert quantizations.describe("fp8", recipe) == "fp8: fprop dgrad, wgrad high; current scaling: fprop (margin 1)"
