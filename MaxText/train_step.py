@@ -143,7 +143,9 @@ def train_step(model, config, state, batch):
     model, config, state.params, batch, dropout_rng, plan, numerics, fp8_meta
   )
   denominator = jnp.maximum(total_weights, 1.0)  # An all-padding batch gives zero loss and no update.
-  grads = jax.tree.map(lambda g: g / denominator, summed_grads)
+  # Back to each parameter's dtype: a float32 denominator would promote bfloat16 grads (weight_dtype=bfloat16),
+  # and with them the optimizer state and the params, so that the state would change type at the first step.
+  grads = jax.tree.map(lambda g: (g / denominator).astype(g.dtype), summed_grads)
   # A batch of padding only (the data ran out on every process) must not move the weights (momentum,
   # weight decay): skip the update, and do not count the step.
   has_tokens = total_weights > 0

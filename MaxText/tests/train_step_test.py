@@ -113,6 +113,17 @@ def test_gradient_accumulation_equals_one_large_batch():
   jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-7), new_acc.params, new_big.params)
 
 
+@pytest.mark.parametrize("nonfinite_action", ["abort", "none"])
+def test_bfloat16_weights_keep_their_dtype_through_the_step(nonfinite_action):
+  config = tiny_config("weight_dtype=bfloat16", f"nonfinite_action={nonfinite_action}")
+  model, state = _state(config)
+  new_state, metrics = jax.jit(functools.partial(train_step.train_step, model, config))(state, _batch(2))
+  dtypes = jax.tree.map(lambda x: x.dtype, state)
+  assert jax.tree.map(lambda x: x.dtype, new_state) == dtypes
+  assert {d for d in jax.tree.leaves(dtypes.params)} == {jnp.dtype(jnp.bfloat16)}
+  assert np.isfinite(float(metrics["learning/loss"])) and int(new_state.step) == 1
+
+
 def test_padding_carries_no_loss():
   config = tiny_config()
   model, state = _state(config)
