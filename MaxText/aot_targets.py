@@ -132,12 +132,13 @@ def devices(target: Target, num_slices: int) -> list:
     UserError: libtpu is missing (TPU), this is not a GPU host (a3), or the process has too few CPU devices (cpu-N).
   """
   import jax  # pylint: disable=import-outside-toplevel
-  from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
+
+  from MaxText import jax_runtime  # pylint: disable=import-outside-toplevel
 
   if target.platform == "gpu":
     return _gpu_devices(target, num_slices)
   needed = target.devices_per_slice * num_slices
-  if not xla_bridge.backends_are_initialized():
+  if not jax_runtime.backends_started():
     # The local accelerator is not needed (and may be busy training): compile on the CPU backend, which
     # gets the cpu-N target's N devices unless XLA_FLAGS already asks for a count.
     if not jax.config.jax_platforms:

@@ -22,10 +22,20 @@ def skip_absent_tpu(hardware: str, environ=None) -> None:
     return
   if importlib.util.find_spec("libtpu") is None or has_tpu_chips() or glob.glob("/dev/nvidia[0-9]*"):
     return
+  if not backends_started():
+    jax.config.update("jax_platforms", "cpu")
+
+
+def backends_started() -> bool:
+  """Whether JAX has started its backends in this process (after that, XLA_FLAGS and jax_platforms are read).
+
+  JAX has no public API for this; should its private one move in a later release, say not started: the callers then
+  set platforms or flags that JAX ignores at worst, instead of failing the run.
+  """
   from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
 
-  if not xla_bridge.backends_are_initialized():
-    jax.config.update("jax_platforms", "cpu")
+  started = getattr(xla_bridge, "backends_are_initialized", None)
+  return bool(started()) if started is not None else False
 
 
 def enable_compilation_cache(cache_dir: str) -> None:

@@ -71,9 +71,9 @@ def apply(preset: str, environ) -> None:
     f"xla_flags_preset={preset}: added to XLA_FLAGS: {' '.join(added)}"
     + (f" ({kept} of its flags left out: XLA_FLAGS already sets them)" if kept else "")
   )
-  from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
+  from MaxText import jax_runtime  # pylint: disable=import-outside-toplevel
 
-  if xla_bridge.backends_are_initialized():
+  if jax_runtime.backends_started():
     max_logging.warn(
       f"xla_flags_preset={preset}: JAX's backend had already started in this process and XLA read XLA_FLAGS then, "
       "so these flags take effect only in a new process"
