@@ -25,7 +25,22 @@ SOURCE_KWARGS = "python kwargs"
 
 
 class _Loader(yaml.SafeLoader):
-  """SafeLoader that also reads `1e-8` and `3e-3` as floats (YAML 1.1 requires a dot)."""
+  """SafeLoader that also reads `1e-8` and `3e-3` as floats (YAML 1.1 requires a dot) and refuses a key given
+  twice in one mapping (PyYAML keeps the last silently, so an edit further up a file would have no effect)."""
+
+  def construct_mapping(self, node, deep=False):
+    first_line = {}
+    for key_node, _ in node.value:
+      if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+        if key_node.value in first_line:
+          raise yaml.constructor.ConstructorError(
+            None,
+            None,
+            f"'{key_node.value}' is set twice (first on line {first_line[key_node.value]}); keep one",
+            key_node.start_mark,
+          )
+        first_line[key_node.value] = key_node.start_mark.line + 1
+    return super().construct_mapping(node, deep=deep)
 
 
 _Loader.add_implicit_resolver(

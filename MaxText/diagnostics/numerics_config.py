@@ -42,6 +42,7 @@ STATS = ("min", "max", "mean", "std", "l1_norm", "l2_norm", "cur_amax", "dynamic
 FP8_STATS = ("underflows", "overflows")
 TENSORS = ("activation", "gradient", "weight")
 GEMMS = ("fprop", "dgrad", "wgrad")
+MAX_MARGIN = 8  # per_tensor_scaling's margin: 0 to 8 powers of two of headroom
 SELECTABLE_TYPES = ("qkv", "attention_out", "mlp", "fc1", "fc2", "all")
 TE_NAMESPACE = "transformer_engine"
 STATS_FEATURES = {"collect_tensor_stats": STATS, "collect_fp8_tensor_stats": FP8_STATS}
@@ -225,7 +226,7 @@ def _check_keys(mapping: dict, allowed, field: str) -> None:
   for key in mapping:
     if key not in allowed:
       hint = config_loader.closest_key_hint(str(key), allowed)
-      raise _Invalid(_join(field, str(key)), f"unknown field{hint}; valid: {', '.join(allowed)}")
+      raise _Invalid(_join(field, str(key)), f"unknown field{hint} (valid: {', '.join(allowed)})")
 
 
 def _bool(mapping: dict, key: str, field: str) -> bool:
@@ -264,6 +265,8 @@ def _layer_numbers(values, field: str) -> tuple[tuple[tuple[int, int], ...], boo
   ranges = []
   for v in values:
     if v == "all":
+      if len(values) > 1:
+        raise _Invalid(field, "all cannot be combined with layer numbers: write [all] alone")
       return (), True
     match = _RANGE.fullmatch(v) if isinstance(v, str) else None
     if isinstance(v, int) and not isinstance(v, bool):
@@ -360,8 +363,11 @@ def _section(name: str, value) -> Section:
     spec, field = precision["per_tensor_scaling"]
     _check_keys(spec, ("enabled", "gemms", "margin"), field)
     margin = spec.get("margin", 0)
-    if isinstance(margin, bool) or not isinstance(margin, int):
-      raise _Invalid(f"{field}.margin", f"{_show(margin)} must be an integer (amax * 2**margin)")
+    if isinstance(margin, bool) or not isinstance(margin, int) or not 0 <= margin <= MAX_MARGIN:
+      # Beyond a few powers of two the scaled values fall below FP8's normal range and flush to zero.
+      raise _Invalid(
+        f"{field}.margin", f"{_show(margin)} must be an integer from 0 to {MAX_MARGIN} (scale from amax * 2**margin)"
+      )
     if _bool(spec, "enabled", field):
       options.update(per_tensor_scaling=_choices(spec, "gemms", field, GEMMS), per_tensor_scaling_margin=margin)
   return Section(name, enabled, layers, tuple(stats), precision_in_namespace=tuple(in_namespace), **options)
@@ -400,7 +406,8 @@ def load(path: str, num_layers: int) -> NumericsDebugConfig:
   """
   where = f"numerics_debug_config={config_loader.display_path(path)}"
   if not os.path.isfile(path):
-    raise ConfigError(f"{where} does not exist (a YAML file of sections in TransformerEngine's debug format)")
+    problem = "is a directory, not a file" if os.path.isdir(path) else "does not exist"
+    raise ConfigError(f"{where} {problem} (a YAML file of sections in TransformerEngine's debug format)")
   with open(path, encoding="utf-8") as f:
     parsed = parse(config_loader.parse_yaml(f.read(), where), where)
   for section in parsed.sections:

@@ -107,6 +107,11 @@ FILE_CASES = [
   ("my.yml", "base_config: base.yml\nrun_name: 2024\n", 'run_name: 2024 in {file} is not a string; quote it, e.g. "2024"'),
   ("my.yml", "learning_rate: fast\n", "learning_rate: fast in {file} is not a number"),  # no base_config
   ("models/mine.yml", "base_emb_dim: wide\n", "base_emb_dim: wide in {file} is not an integer"),
+  (
+    "my.yml",
+    "base_config: base.yml\nsteps: 3\nlearning_rate: 1e-3\nsteps: 4\n",
+    "config file '{file}' is not valid YAML at line 4, column 1: 'steps' is set twice (first on line 2); keep one",
+  ),
 ]
 
 

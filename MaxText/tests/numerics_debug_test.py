@@ -162,7 +162,10 @@ BAD_FILES = [
   ),
   ("s1:\n  layers: {layer_types: [qkv]}\n", "section 's1' enabled: is missing"),
   ("s1:\n  enabled: yes\n  layers: {layer_types: [qkv]}\n", "section 's1' enabled: 'yes' is not true or false"),
-  ("s1:\n  enabled: true\n  layer: {layer_types: [qkv]}\n", "section 's1' layer: unknown field; did you mean 'layers'?"),
+  (
+    "s1:\n  enabled: true\n  layer: {layer_types: [qkv]}\n",
+    "section 's1' layer: unknown field; did you mean 'layers'? (valid: enabled, layers,",
+  ),
   (
     QKV + "  collect_tensor_stats: {enabled: true, type: [median], tensors: [activation]}\n",
     f"section 's1' collect_tensor_stats.type: 'median' is not one of {ALL_OF_STATS}",
@@ -191,6 +194,19 @@ BAD_FILES = [
     QKV + "  per_tensor_scaling: {enabled: true, gemms: [fprop], margin: 0.5}\n",
     "per_tensor_scaling.margin: 0.5 must be an integer",
   ),
+  (
+    QKV + "  per_tensor_scaling: {enabled: true, gemms: [fprop], margin: 31}\n",
+    "per_tensor_scaling.margin: 31 must be an integer from 0 to 8",
+  ),
+  (
+    QKV + "  per_tensor_scaling: {enabled: true, gemms: [fprop], margin: -2}\n",
+    "per_tensor_scaling.margin: -2 must be an integer from 0 to 8",
+  ),
+  (
+    "s1:\n  enabled: true\n  layers: {layer_numbers: [all, 9]}\n",
+    "layers.layer_numbers: all cannot be combined with layer numbers",
+  ),
+  ("s1:\n  enabled: true\n  layers: {layer_types: [qkv]}\ns1:\n  enabled: false\n", "'s1' is set twice (first on line 1)"),
   ("s1: [1, 2]\n", "section 's1': must be a mapping of field: value"),
   ("- s1\n", "must be a mapping of named sections"),
   ("s1: {enabled: true\n", "is not valid YAML at line 2"),
