@@ -22,24 +22,24 @@ from MaxText.errors import run_and_exit_on_user_error  # pylint: disable=wrong-i
 def layer_lines(config, params) -> list[str]:
   """The listing of the dense layers of `params` (arrays or shapes), one line each, after a header."""
   # pylint: disable=import-outside-toplevel
-  from MaxText.diagnostics import layer_names, numerics_config
+  from MaxText.diagnostics import layer_names, numerics_config, numerics_log
   from MaxText.layers import quantizations
 
   numerics = numerics_config.from_config(config)
   quant = quantizations.from_config(config)
   layers = layer_names.dense_layers(params, config)
-  width = max(len(layer.name) for layer in layers)
-  header = f"{'name':<{width}}  number  {'type':<13}  kernel shape"
-  lines = [header + ("  sections" if numerics else "") + ("  quantization" if quant else "")]
+  numerics_log.warn_unmatched_sections(numerics, layers)
+  rows = [["name", "number", "type", "kernel shape"] + ["sections"] * bool(numerics) + ["quantization"] * bool(quant)]
   for layer in layers:
-    number = "-" if layer.number is None else str(layer.number)
-    line = f"{layer.name:<{width}}  {number:>6}  {layer.type or '-':<13}  {list(layer.kernel_shape)}"
+    row = [layer.name, "-" if layer.number is None else str(layer.number), layer.type or "-", str(list(layer.kernel_shape))]
     if numerics:
-      line += "  " + (", ".join(s.name for s in numerics.sections_for(layer.name)) or "-")
+      row.append(", ".join(s.name for s in numerics.sections_for(layer.name)) or "-")
     if quant:
-      line += "  " + quantizations.describe(quant.mode, quant.recipe(layer.name))
-    lines.append(line)
-  return lines
+      row.append(quantizations.describe(quant.mode, quant.recipe(layer.name)))
+    rows.append(row)
+  widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+  aligned = [[cell.rjust(w) if i == 1 else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))] for row in rows]
+  return ["  ".join(cells).rstrip() for cells in aligned]
 
 
 def main(argv: list[str]) -> None:

@@ -82,6 +82,16 @@ def _write_debug_logs(config, numerics, dense_layers) -> None:
   (directory / "selected_layers.txt").write_text(selected_layers_text(numerics, dense_layers))
 
 
+def warn_unmatched_sections(numerics, dense_layers) -> None:
+  """A warning for each enabled section that selects none of the model's dense layers (a typo in a regex, say)."""
+  for section in numerics.sections:
+    if section.enabled and not any(section.layers.matches(layer.name) for layer in dense_layers):
+      max_logging.warn(
+        f"numerics_debug_config section '{section.name}' selects no layer (layer_name_regex_pattern must match a "
+        "whole name); the names are those of python3 MaxText/list_layers.py <config> [key=value ...]"
+      )
+
+
 def observers(config, params, writer, start_step: int) -> list:
   """The MetricLogger observer that writes the statistics (none when numerics_debug_config asks for none).
 
@@ -97,12 +107,7 @@ def observers(config, params, writer, start_step: int) -> list:
   if not numerics:
     return []
   dense_layers = layer_names.dense_layers(params, config)
-  for section in numerics.sections:
-    if section.enabled and not any(section.layers.matches(layer.name) for layer in dense_layers):
-      max_logging.warn(
-        f"numerics_debug_config section '{section.name}' selects no layer; the names are those of "
-        "python3 MaxText/list_layers.py <config> [key=value ...]"
-      )
+  warn_unmatched_sections(numerics, dense_layers)
   plan = numerics_stats.create_plan(config, params)
   if jax.process_index() != 0:
     return []

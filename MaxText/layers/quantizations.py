@@ -89,8 +89,8 @@ class Quantization:
 
   def recipe(self, name: str) -> Recipe:
     """The recipe of the dense layer `name` (as list_layers.py prints it)."""
-    if layer_names.layer_number(name) is None:
-      return HIGH
+    if layer_names.layer_number(name) is None or layer_names.layer_type(name) is None:
+      return HIGH  # outside the decoder layers, or the MoE router: modules built without `quant`
     low, current, margin = [], [], []
     for gemm in GEMMS:
       precision = self.numerics.gemm_precision(name, gemm)

@@ -97,6 +97,7 @@ def test_the_yaml_selects_gemms_layers_and_scaling():
     low=(True,) * 3, current=(True, False, False), margin=(2, 0, 0)
   )
   assert quant.recipe("decoder.logits_dense") == quantizations.HIGH  # only the decoder layers are quantized
+  assert quant.recipe("decoder.layers.0.MoeBlock_0.gate") == quantizations.HIGH  # nor is the MoE router
   distinct, indices = quant.layer_recipes(("decoder", "layers", "self_attention", "query"))
   assert len(distinct) == 2 and indices[0] != indices[1]
   assert quantizations.Quantization("int8", numerics=quant.numerics).recipe("decoder.layers.1.self_attention.query") == (
@@ -392,9 +393,12 @@ def test_list_layers_says_how_each_layer_runs(tmp_path):
 
   config = tiny_config("quantization=fp8", f"numerics_debug_config={_write(tmp_path, FIRST_LAYER_HIGH)}")
   params = train_state.build(config, mesh.create_device_mesh(config), params_only=True).abstract_state.params
-  lines = {line.split()[0]: line for line in list_layers.layer_lines(config, params)[1:]}
-  assert lines["decoder.layers.0.mlp.wo"].endswith("first_layer_high  high precision")
-  assert lines["decoder.layers.1.mlp.wo"].endswith("-  fp8: fprop dgrad wgrad")
+  header, *listing = list_layers.layer_lines(config, params)
+  lines = {line.split()[0]: " ".join(line.split()) for line in listing}
+  column = header.index("quantization")  # the columns line up whatever the kernel shapes' widths
+  assert {line[column:].split(":")[0] for line in listing} == {"high precision", "fp8"}
+  assert lines["decoder.layers.0.mlp.wo"].endswith("first_layer_high high precision")
+  assert lines["decoder.layers.1.mlp.wo"].endswith("- fp8: fprop dgrad wgrad")
   assert lines["decoder.logits_dense"].endswith("high precision")
   recipe = quantizations.Recipe(low=(True, True, False), current=(True, False, False), margin=(1, 0, 0))
   assert quantizations.describe("fp8", recipe) == "fp8: fprop dgrad, wgrad high; current scaling: fprop (margin 1)"
