@@ -126,6 +126,8 @@ def check_quantization_state(tree, abstract_state, where: str, items_path: str) 
     items_path: its items directory, which load_parameters_path takes.
   """
   saved, wanted = "fp8_meta" in tree, hasattr(abstract_state, "fp8_meta")
+  if saved and wanted:
+    _check_amax_history_length(tree["fp8_meta"], abstract_state.fp8_meta, where, items_path)
   if saved == wanted:
     return
   if saved:
@@ -135,6 +137,19 @@ def check_quantization_state(tree, abstract_state, where: str, items_path: str) 
   raise UserError(
     f"checkpoint {where} {problem}: resume with {resume}, or change it in a new run_name started from its params "
     f"(load_parameters_path={items_path})"
+  )
+
+
+def _check_amax_history_length(saved_meta, wanted_meta, where: str, items_path: str) -> None:
+  """The fp8 state's shapes differ only by fp8_amax_history_length (the last axis of each *_amax_history)."""
+  saved, wanted = _flat_shapes(saved_meta, "fp8_meta"), _flat_shapes(wanted_meta, "fp8_meta")
+  if saved == wanted:
+    return
+  lengths = {shape[-1] for key, shape in saved.items() if key.endswith("_amax_history")}
+  was = f"fp8_amax_history_length={lengths.pop()}" if len(lengths) == 1 else "another fp8 layout"
+  raise UserError(
+    f"checkpoint {where} holds an fp8 state saved with {was}, which this run's fp8_amax_history_length does not "
+    f"fit: resume with {was}, or change it in a new run_name started from its params (load_parameters_path={items_path})"
   )
 
 

@@ -384,8 +384,11 @@ def test_resuming_across_a_change_of_fp8_is_one_clear_error():
     checkpointing.check_quantization_state({"params": {}, "fp8_meta": {}}, plain, "ck/5", "ck/5/items")
   with pytest.raises(UserError, match=r"holds no fp8 state.*\(load_parameters_path=ck/5/items\)"):
     checkpointing.check_quantization_state({"params": {}}, fp8, "ck/5", "ck/5/items")
-  checkpointing.check_quantization_state({"params": {}, "fp8_meta": {}}, fp8, "ck/5", "ck/5/items")
+  checkpointing.check_quantization_state({"params": {}, "fp8_meta": fp8.fp8_meta}, fp8, "ck/5", "ck/5/items")
   checkpointing.check_quantization_state({"params": {}}, plain, "ck/5", "ck/5/items")
+  shorter = abstract("quantization=fp8", "fp8_amax_history_length=16").fp8_meta
+  with pytest.raises(UserError, match=r"saved with fp8_amax_history_length=16, .*: resume with fp8_amax_history_length=16"):
+    checkpointing.check_quantization_state({"params": {}, "fp8_meta": shorter}, fp8, "ck/5", "ck/5/items")
 
 
 def test_list_layers_says_how_each_layer_runs(tmp_path):
