@@ -3,7 +3,8 @@
     python3 MaxText/plot_metrics.py maxtext_output/a/metrics.jsonl maxtext_output/b/metrics.jsonl --output ab.png
 
 A metrics file is what metrics_file=... writes during training (one JSON object per step; the steps followed by an
-eval also hold eval/loss). Each run is a line in every panel, labelled by its run_name.
+eval also hold eval/loss). Each run is a line in every panel, labelled by its run_name (a file that several runs
+shared gives a line per run). --output may name a .png, .pdf or .svg file.
 """
 
 import argparse
@@ -21,17 +22,22 @@ from MaxText.errors import UserError, run_and_exit_on_user_error  # pylint: disa
 def main(argv: list[str]) -> None:
   parser = argparse.ArgumentParser(prog="plot_metrics.py", description=__doc__.split("\n\n", 1)[0])
   parser.add_argument("metrics_files", nargs="+", metavar="METRICS_FILE", help="JSON-lines files from metrics_file=")
-  parser.add_argument("--output", default="metrics.png", help="the PNG to write (default: metrics.png)")
+  parser.add_argument(
+    "--output", default="metrics.png", help="the image to write: .png (default: metrics.png), .pdf or .svg"
+  )
   parser.add_argument("--title", default="MaxText metrics", help="the figure's title")
   args = parser.parse_args(argv[1:])
-  runs = [plots.read_metrics_file(path) for path in args.metrics_files]
-  png = plots.draw(dict(zip(plots.labels_for(args.metrics_files, runs), runs)), title=args.title)
+  image_format = os.path.splitext(args.output)[1][1:].lower()
+  if image_format not in plots.FORMATS:
+    raise UserError(f"--output {args.output}: name a .png, .pdf or .svg file")
+  runs = plots.runs_of_files(args.metrics_files)
+  image = plots.draw(runs, title=args.title, image_format=image_format)
   try:
     with open(args.output, "wb") as f:
-      f.write(png)
+      f.write(image)
   except OSError as e:
     raise UserError(f"--output {args.output} cannot be written: {e.strerror or e}") from None
-  steps = sum(len(r) for r in runs)
+  steps = sum(len(r) for r in runs.values())
   max_logging.log(f"Wrote {args.output}: {len(runs)} run(s), {steps} metrics lines")
 
 

@@ -97,12 +97,16 @@ def _series(records: list[dict], key: str, scale: float = 1.0) -> tuple[list, li
   return [p[0] for p in points], [p[1] for p in points]
 
 
-def draw(runs: dict, title: str = "MaxText metrics") -> bytes:
-  """The PNG (bytes) of the runs' metrics: loss and eval loss, learning rate, tokens/s per device, MFU.
+FORMATS = ("png", "pdf", "svg")
+
+
+def draw(runs: dict, title: str = "MaxText metrics", image_format: str = "png") -> bytes:
+  """The image (bytes) of the runs' metrics: loss and eval loss, learning rate, tokens/s per device, MFU.
 
   Args:
     runs: label -> records (dicts with "step" and any of KEYS), one line per run in each panel.
     title: the figure's title.
+    image_format: one of FORMATS.
   """
   import matplotlib  # pylint: disable=import-outside-toplevel
 
@@ -141,15 +145,26 @@ def draw(runs: dict, title: str = "MaxText metrics") -> bytes:
   fig.suptitle(title)
   fig.tight_layout()
   buffer = io.BytesIO()
-  fig.savefig(buffer, format="png", dpi=100)
+  fig.savefig(buffer, format=image_format, dpi=100)
   plt.close(fig)
   return buffer.getvalue()
 
 
-def labels_for(paths: list[str], runs: list[list[dict]]) -> list[str]:
-  """Each file's run_name (the file's name where it has none), with the path where two would read the same."""
-  names = [str(records[0].get("run_name") or os.path.basename(p)) for p, records in zip(paths, runs)]
-  return [p if names.count(n) > 1 else n for p, n in zip(paths, names)]
+def runs_of_files(paths: list[str]) -> dict[str, list[dict]]:
+  """label -> records of every run in the files (a file that several runs shared holds several, by run_name).
+
+  A label is the run_name (a file's name where its lines have none), or path:run_name where two would read the
+  same. A file given twice counts once.
+  """
+  found = []  # (path, run_name or None, records)
+  for path in dict.fromkeys(paths):
+    by_run = {}
+    for record in read_metrics_file(path):
+      by_run.setdefault(record.get("run_name"), []).append(record)
+    found += [(path, name, records) for name, records in by_run.items()]
+  names = [os.path.basename(path) if name is None else str(name) for path, name, _ in found]
+  labels = [f"{path}:{name}" if names.count(name) > 1 else name for (path, _, _), name in zip(found, names)]
+  return {label: records for label, (_, _, records) in zip(labels, found)}
 
 
 def write_run_plot(config, history: History) -> None:
@@ -162,7 +177,10 @@ def write_run_plot(config, history: History) -> None:
     return
   path = epath.Path(config.run_dir) / "metrics.png"
   try:
-    records = read_metrics_file(config.metrics_file) if config.metrics_file else history.records
+    if config.metrics_file:  # this run's lines (the file may be shared with other runs)
+      records = [r for r in read_metrics_file(config.metrics_file) if r.get("run_name", config.run_name) == config.run_name]
+    else:
+      records = history.records
     if not records:
       return
     path.write_bytes(draw({config.run_name: records}, title=f"MaxText run {config.run_name}"))

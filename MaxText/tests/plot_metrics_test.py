@@ -106,16 +106,42 @@ def test_plot_metrics_compares_runs_and_rejects_bad_input(tmp_path):
   assert result.returncode == 0, result.stderr
   assert result.stdout.strip() == f"Wrote {output}: 2 run(s), 8 metrics lines"
   assert output.read_bytes().startswith(PNG_SIGNATURE)
-  for bad in ([str(tmp_path / "nothing.jsonl")], [str(first), PLOT_METRICS_PY]):
-    result = run_python([PLOT_METRICS_PY, *bad, "--output", str(tmp_path / "bad.png")])
+  pdf = tmp_path / "compare.pdf"
+  result = run_python([PLOT_METRICS_PY, str(first), str(first), "--output", str(pdf)])  # the same file twice: once
+  assert result.returncode == 0 and result.stdout.strip() == f"Wrote {pdf}: 1 run(s), 4 metrics lines", result.stderr
+  assert pdf.read_bytes().startswith(b"%PDF")
+  for bad, output in (
+    ([str(tmp_path / "nothing.jsonl")], "bad.png"),
+    ([str(first), PLOT_METRICS_PY], "bad.png"),
+    ([str(first)], "bad.jpg"),
+  ):
+    result = run_python([PLOT_METRICS_PY, *bad, "--output", str(tmp_path / output)])
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith("Error: "), result.stderr
-  assert not (tmp_path / "bad.png").exists()
+    assert not (tmp_path / output).exists()
 
 
-def test_labels_name_runs_and_tell_equal_names_apart():
-  runs = [[{"run_name": "x"}], [{"run_name": "x"}], [{}]]
-  assert plots.labels_for(["a/m.jsonl", "b/m.jsonl", "c/m.jsonl"], runs) == ["a/m.jsonl", "b/m.jsonl", "m.jsonl"]
+def test_labels_name_runs_and_tell_equal_names_apart(tmp_path):
+  for name, run_names in (("a", ["x"]), ("b", ["x"]), ("c", [None]), ("shared", ["y", "z", "y"])):
+    with open(tmp_path / f"{name}.jsonl", "w", encoding="utf-8") as f:
+      for step, run_name in enumerate(run_names):
+        f.write(json.dumps({"step": step, "learning/loss": 1.0, **({"run_name": run_name} if run_name else {})}) + "\n")
+  paths = [str(tmp_path / f"{name}.jsonl") for name in ("a", "b", "c", "shared")]
+  runs = plots.runs_of_files(paths)
+  assert list(runs) == [f"{paths[0]}:x", f"{paths[1]}:x", "c.jsonl", "y", "z"]
+  assert [r["step"] for r in runs["y"]] == [0, 2]
+
+
+def test_runs_sharing_a_metrics_file_keep_each_others_lines(tmp_path, capsys):
+  path = str(tmp_path / "shared.jsonl")
+  _write_metrics_file(path, "a", [3.0, 2.0, 1.5])
+  with open(path, "a", encoding="utf-8") as f:
+    f.write(json.dumps({"step": 0.0, "run_name": "b", "learning/loss": 4.0}) + "\n")
+  metric_logger._keep_lines_before(path, 2, "a")  # pylint: disable=protected-access  # run a resumes at step 2
+  assert [(r["run_name"], r["step"]) for r in plots.read_metrics_file(path)] == [("a", 0), ("a", 1), ("b", 0)]
+  assert "also holds the metrics of run(s) b: kept" in capsys.readouterr().err
+  metric_logger._keep_lines_before(path, 0, "b")  # pylint: disable=protected-access  # run b starts again
+  assert [(r["run_name"], r["step"]) for r in plots.read_metrics_file(path)] == [("a", 0), ("a", 1)]
 
 
 @pytest.mark.slow
