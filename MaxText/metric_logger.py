@@ -6,6 +6,7 @@ dispatched, so logging never leaves the device idle.
 
 import datetime
 import json
+import logging
 import os
 import time
 
@@ -211,5 +212,7 @@ def create_tensorboard_writer(config):
     return None
   from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
 
+  # tensorboardX warns of every NaN scalar (three per step); the step line and nonfinite_action report them once.
+  logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
   epath.Path(config.tensorboard_dir).mkdir(parents=True, exist_ok=True)
   return SummaryWriter(logdir=config.tensorboard_dir, flush_secs=_TENSORBOARD_FLUSH_SECONDS)

@@ -13,7 +13,7 @@ import os
 
 import yaml
 
-from MaxText import attention_selection, common_types, config_loader, config_validation, xla_flag_presets
+from MaxText import attention_selection, common_types, config_loader, config_validation, max_logging, xla_flag_presets
 from MaxText.diagnostics import numerics_config
 from MaxText.errors import ConfigError
 
@@ -126,8 +126,14 @@ def _numerics_debug(values, sources):
       )
     _normalise(values, "numerics_debug_config", found)
     blocks = values["num_decoder_layers"] // common_types.DECODER_LAYERS_PER_BLOCK.get(values["decoder_block"], 1)
-    content = numerics_config.load(found, blocks).to_plain()
+    parsed = numerics_config.load(found, blocks)
+    content = parsed.to_plain()
+    ignored = parsed.ignored_by(values["quantization"])
+    if ignored:
+      max_logging.warn(f"numerics_debug_config={path}: {ignored}; ignored in this run")
   _set(values, sources, "numerics_debug", content)
+  if values["fp8_scaling"] != "delayed" and values["quantization"] != "fp8":
+    max_logging.warn(f"fp8_scaling={values['fp8_scaling']} applies to quantization=fp8; ignored in this run")
 
 
 def _derive_static(values, sources, environ):

@@ -207,6 +207,15 @@ class NumericsDebugConfig:
   def to_plain(self) -> dict:
     return {s.name: s.to_plain() for s in self.sections}
 
+  def ignored_by(self, quantization: str) -> str | None:
+    """Why this file's low-precision features do nothing under `quantization` (a warning), or None."""
+    enabled = [s for s in self.sections if s.enabled]
+    if not quantization and any(s.disable_fp8_gemm or s.disable_fp8_layer or s.per_tensor_scaling for s in enabled):
+      return "its disable_fp8_gemm, disable_fp8_layer and per_tensor_scaling apply with quantization=int8|int8w|fp8"
+    if quantization in ("int8", "int8w") and any(s.per_tensor_scaling for s in enabled):
+      return f"per_tensor_scaling applies to quantization=fp8 (quantization={quantization} scales each channel)"
+    return None
+
 
 def _show(value) -> str:
   return repr(value) if isinstance(value, str) else str(value)

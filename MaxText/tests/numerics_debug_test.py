@@ -129,6 +129,19 @@ def test_low_precision_controls_are_parsed_for_the_quantized_layers():
   assert numerics_config.parse(numerics.to_plain(), "again") == numerics
 
 
+def test_low_precision_controls_that_do_nothing_are_warned_about(tmp_path, capsys):
+  scaling = QKV + "  per_tensor_scaling: {enabled: true, gemms: [fprop], margin: 1}\n"
+  tiny_config(f"numerics_debug_config={_write(tmp_path, scaling)}", "quantization=fp8")
+  tiny_config(f"numerics_debug_config={_write(tmp_path, STATS_YAML, 'stats.yml')}")  # statistics only
+  assert "WARNING" not in capsys.readouterr().err
+  tiny_config(f"numerics_debug_config={_write(tmp_path, scaling)}")
+  assert "apply with quantization=int8|int8w|fp8; ignored in this run" in capsys.readouterr().err
+  tiny_config(f"numerics_debug_config={_write(tmp_path, scaling)}", "quantization=int8")
+  assert "per_tensor_scaling applies to quantization=fp8 (quantization=int8 scales each channel)" in capsys.readouterr().err
+  tiny_config("fp8_scaling=current")
+  assert "fp8_scaling=current applies to quantization=fp8; ignored in this run" in capsys.readouterr().err
+
+
 # --- malformed files -------------------------------------------------------------------------------------------
 
 QKV = "s1:\n  enabled: true\n  layers: {layer_types: [qkv]}\n"  # a valid section, which the cases below extend
