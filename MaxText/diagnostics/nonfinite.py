@@ -68,9 +68,9 @@ def locate(finite, params, grads, config) -> dict:
   """Where the non-finite values are, computed only when `finite` is False (a lax.cond; free otherwise).
 
   Returns:
-    int32 scalars: params (how many parameter tensors, per layer, are non-finite), first_param (the first,
-    an index into layer_names.param_names, -1 if none), gradients and first_gradient (the non-finite gradient
-    nearest the loss, in backward order).
+    int32 scalars: params (how many parameter tensors, per layer, are non-finite), first_param (the first that
+    the forward pass meets, an index into layer_names.param_names, -1 if none), gradients and first_gradient
+    (the non-finite gradient nearest the loss, in backward order).
   """
   order = _backward_order(layer_names.param_names(params, config))
 
@@ -79,7 +79,7 @@ def locate(finite, params, grads, config) -> dict:
     bad_grads = ~_finite_per_name(grads, config)
     return {
       "params": jnp.sum(bad_params, dtype=jnp.int32),
-      "first_param": _first(bad_params),
+      "first_param": _first(bad_params, order[::-1]),  # in forward order: embeddings, layers 1.., norm, logits
       "gradients": jnp.sum(bad_grads, dtype=jnp.int32),
       "first_gradient": _first(bad_grads, order),
     }

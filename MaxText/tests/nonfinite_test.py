@@ -78,6 +78,9 @@ def test_gradients_are_named_nearest_the_loss_first():
   order = nonfinite._backward_order(names)  # pylint: disable=protected-access
   assert names[int(nonfinite._first(bad, order))] == "decoder.layers.1.mlp.wo.kernel"  # pylint: disable=protected-access
   assert int(nonfinite._first(bad)) == 1  # pylint: disable=protected-access
+  forward = order[::-1]  # the params' first: the one the forward pass meets first
+  assert names[int(nonfinite._first(jnp.array([True, False, True, False]), forward))] == names[2]  # pylint: disable=protected-access
+  assert names[int(nonfinite._first(jnp.ones(4, bool), forward))] == "token_embedder.embedding"  # pylint: disable=protected-access
   line = nonfinite.describe(7, 2.5, {"params": 0, "first_param": -1, "gradients": 3, "first_gradient": 2}, names)
   assert "step 7" in line and "first in the gradients: decoder.layers.1.mlp.wo.kernel" in line and "loss is finite" in line
 
