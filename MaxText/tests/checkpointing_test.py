@@ -160,6 +160,7 @@ def test_load_parameters_and_full_state(tmp_path, reference):
   assert result.returncode == 2 and "load_parameters_path=" in result.stderr and "does not exist" in result.stderr
 
 
+@pytest.mark.slow  # two 8-device train.py runs: about 20 s of the unit suite on 2 cores
 def test_restore_onto_a_different_mesh(tmp_path):
   eight = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
   four = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}

@@ -5,11 +5,13 @@ import subprocess
 import sys
 
 import portpicker
+import pytest
 
 from MaxText import max_logging
 from MaxText.tests.helpers import REPO_ROOT, TRAIN_PY, tiny_args
 
 
+@pytest.mark.slow  # two JAX processes: 20-30 s of the unit suite on 2 cores
 def test_a_two_process_run_prints_its_config_and_steps_once(tmp_path):
   port = portpicker.pick_unused_port()
   args = tiny_args(
