@@ -5,8 +5,10 @@ and <checkpoint_dir>/<N>/data_iter (one JSON file per process). A run starts fro
 latest good checkpoint; load_parameters_path (params only); load_full_state_path; a fresh init.
 """
 
+import contextlib
 import dataclasses
 import json
+import logging
 import os
 import re
 import signal
@@ -232,7 +234,8 @@ def _tree_metadata(path, key: str) -> dict:
   if not epath.Path(path).exists():
     raise UserError(f"{key}={path} does not exist")
   try:
-    metadata = ocp.PyTreeCheckpointer().metadata(path)
+    with _quiet_item_read():
+      metadata = ocp.PyTreeCheckpointer().metadata(path)
     tree = metadata.item_metadata.tree
   except Exception as e:  # pylint: disable=broad-except  # not a checkpoint at all, or a damaged one
     raise UserError(
@@ -354,6 +357,23 @@ def restore_latest(manager, abstract_state):
   return None
 
 
+class _WithoutStepMetadataWarning(logging.Filter):
+  """Orbax warns that an items directory has no step metadata, which only the step directory above it holds."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return "Metadata file does not exist" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_item_read():
+  absl_logger, quiet = logging.getLogger("absl"), _WithoutStepMetadataWarning()
+  absl_logger.addFilter(quiet)
+  try:
+    yield
+  finally:
+    absl_logger.removeFilter(quiet)
+
+
 def load_params(path: str, abstract_params, scan_axis: int = 1, key: str = "load_parameters_path"):
   """Params from an Orbax PyTree holding {"params": ...} (a training checkpoint's items, or params-only).
 
@@ -366,9 +386,10 @@ def load_params(path: str, abstract_params, scan_axis: int = 1, key: str = "load
   check_checkpoint_fits(tree["params"], saved_layout, path)
   target = {"params": saved_layout}
   restore_args = ocp.checkpoint_utils.construct_restore_args(target)
-  restored = ocp.PyTreeCheckpointer().restore(
-    path, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
-  )
+  with _quiet_item_read():
+    restored = ocp.PyTreeCheckpointer().restore(
+      path, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
+    )
   max_logging.log(f"Loaded parameters from {path}")
   return params_layout.to_run_layout(restored["params"], abstract_params, scan_axis)
 
