@@ -50,6 +50,7 @@ _POSITIVE_INTS = (
   "fp8_amax_history_length",
 )
 
+_WEEK_SECONDS = 7 * 24 * 3600
 # key -> (low, high, low_inclusive, high_inclusive)
 _RANGES = {
   "per_device_batch_size": (0.0, math.inf, False, True),
@@ -71,6 +72,8 @@ _RANGES = {
   "load_balance_loss_weight": (0.0, math.inf, True, True),
   "decode_sampling_temperature": (0.0, math.inf, False, True),
   "step_watchdog_factor": (1.0, math.inf, True, True),
+  "stack_trace_interval_seconds": (1, _WEEK_SECONDS, True, True),  # a longer wait overflows the thread's timer
+  "step_watchdog_min_seconds": (1, _WEEK_SECONDS, True, True),
 }
 
 

@@ -61,7 +61,13 @@ def collect(enabled: bool, to_cloud: bool, interval_seconds: int):
   if not enabled:
     yield
     return
-  out = _open_cloud_file() if to_cloud else sys.stderr
+  if to_cloud:
+    try:
+      out = _open_cloud_file()
+    except OSError as e:  # a diagnostics aid must not stop training: the stacks go to stderr instead
+      max_logging.warn(f"stack_trace_to_cloud: cannot write in {CLOUD_STACK_TRACE_DIR} ({e}); stack traces go to stderr")
+      to_cloud = False
+  out = out if to_cloud else sys.stderr
   where = out.name if to_cloud else "stderr"
   was_enabled = faulthandler.is_enabled()
   faulthandler.enable(file=out, all_threads=True)  # SIGSEGV, SIGFPE, SIGABRT, SIGBUS, SIGILL

@@ -3,8 +3,11 @@
 import threading
 import time
 
+import pytest
+
 from MaxText.diagnostics import stack_traces
-from MaxText.tests.helpers import run_train
+from MaxText.errors import ConfigError
+from MaxText.tests.helpers import run_train, tiny_config
 
 
 def _wait_in_a_side_thread(release: threading.Event) -> None:
@@ -39,6 +42,22 @@ def test_to_cloud_writes_a_file_in_the_agents_directory(tmp_path, monkeypatch):
   (trace_file,) = (tmp_path / "debugging").glob("stack_trace_*.txt")
   text = trace_file.read_text()
   assert text.startswith("INFO: Not a crash.") and "in test_to_cloud_writes_a_file_in_the_agents_directory" in text
+
+
+def test_an_unwritable_cloud_directory_falls_back_to_stderr(tmp_path, monkeypatch, capfd):
+  (tmp_path / "debugging").write_text("a file where the directory should be")
+  monkeypatch.setattr(stack_traces, "CLOUD_STACK_TRACE_DIR", str(tmp_path / "debugging"))
+  with stack_traces.collect(True, True, 1):
+    time.sleep(1.5)
+  err = capfd.readouterr().err
+  assert f"stack_trace_to_cloud: cannot write in {tmp_path / 'debugging'}" in err and "stack traces go to stderr" in err
+  assert "INFO: Not a crash." in err
+
+
+@pytest.mark.parametrize("key", ["stack_trace_interval_seconds", "step_watchdog_min_seconds"])
+def test_waits_beyond_a_week_are_a_config_error(key):
+  with pytest.raises(ConfigError, match=f"{key}=100000000 must be in \\[1, 604800\\]"):  # the timer would overflow
+    tiny_config(f"{key}=100000000")
 
 
 def test_off_by_default_starts_nothing():
