@@ -49,6 +49,7 @@ class Profiler:
     self.last = min(self.first + config.profiler_steps - 1, config.steps - 1)
     self._here = bool(self.mode) and (config.upload_all_profiler_results or jax.process_index() == 0)
     self._running = False
+    self._reached = None  # the last profiled step that finished
     self._cudart = None
     if self.mode and self.first >= config.steps:
       max_logging.warn(
@@ -73,13 +74,16 @@ class Profiler:
     jax.block_until_ready(state)
     if self.mode == "xplane":
       jax.profiler.start_trace(self.directory)
-    else:
-      self._cuda_call("cudaProfilerStart")
-    self._running = True
+    elif not self._cuda_call("cudaProfilerStart"):
+      self._here = False  # no CUDA device (a CPU backend), or no driver: nothing would be recorded
+      return
+    self._running, self._reached = True, None
     max_logging.log(f"Profiling steps {self.first}-{self.last} ({self.mode})", every_process=True)
 
   def after_step(self, step: int, metrics) -> None:
     """Stops the profiler once the last profiled step has finished on the devices."""
+    if self._running:
+      self._reached = step
     if self._running and step == self.last:
       jax.block_until_ready(metrics)
       self.stop()
@@ -98,9 +102,16 @@ class Profiler:
     else:
       self._cuda_call("cudaProfilerStop")
       where = "to the report of the nsys that runs this process (nsys profile -o ...)"
-    max_logging.log(f"The profile of steps {self.first}-{self.last} ({self.mode}) went {where}", every_process=True)
+    if self._reached is None:  # stopped before the first profiled step finished
+      max_logging.log(f"The profile ({self.mode}) stopped before step {self.first} finished", every_process=True)
+      return
+    steps = f"steps {self.first}-{self._reached}" if self._reached > self.first else f"step {self.first}"
+    max_logging.log(f"The profile of {steps} ({self.mode}) went {where}", every_process=True)
 
-  def _cuda_call(self, name: str) -> None:
+  def _cuda_call(self, name: str) -> bool:
     status = getattr(self._cudart, name)()
     if status != 0:
-      max_logging.warn(f"profiler=nsys: {name}() returned CUDA error {status}")
+      max_logging.warn(
+        f"profiler=nsys: {name}() returned CUDA error {status} ({jax.default_backend()} devices): no profile is taken"
+      )
+    return status == 0

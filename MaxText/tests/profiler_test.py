@@ -81,24 +81,49 @@ def test_nsys_without_cuda_is_one_warning_and_no_profile(tmp_path, capsys, monke
   assert "(cpu devices): no profile is taken" in err
 
 
+def test_a_profile_stopped_early_names_the_steps_it_holds(tmp_path, capsys):
+  prof = profiler.Profiler(_config(tmp_path, profiler_steps=4), start_step=0)
+  state = jnp.ones(())
+  for step in (0, 1, 2):  # the run stops (SIGTERM, an error) after step 2 of the profiled 1-4
+    prof.before_step(step, state)
+    prof.after_step(step, state)
+  prof.stop()
+  out = capsys.readouterr().out
+  assert "Profiling steps 1-4 (xplane)" in out and "The profile of steps 1-2 (xplane) went under" in out
+
+
 FAKE_CUDART = """
 int starts = 0, stops = 0;
-int cudaProfilerStart(void) { starts++; return 0; }
-int cudaProfilerStop(void) { stops++; return 0; }
+int cudaProfilerStart(void) { starts++; return STATUS; }
+int cudaProfilerStop(void) { stops++; return STATUS; }
 """
+
+
+def _build_cudart(tmp_path, status: int):
+  if not shutil.which("cc"):
+    pytest.skip("no C compiler to build a stand-in libcudart.so")
+  source = tmp_path / "cudart.c"
+  source.write_text(FAKE_CUDART.replace("STATUS", str(status)))
+  library = tmp_path / "lib" / "libcudart.so"
+  library.parent.mkdir()
+  subprocess.run(["cc", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
+  return library
 
 
 @pytest.fixture(name="fake_cudart")
 def fixture_fake_cudart(tmp_path):
   """A libcudart.so with counting cudaProfilerStart/Stop, built with the C compiler."""
-  if not shutil.which("cc"):
-    pytest.skip("no C compiler to build a stand-in libcudart.so")
-  source = tmp_path / "cudart.c"
-  source.write_text(FAKE_CUDART)
-  library = tmp_path / "lib" / "libcudart.so"
-  library.parent.mkdir()
-  subprocess.run(["cc", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
-  return library
+  return _build_cudart(tmp_path, 0)
+
+
+def test_nsys_where_cuda_has_no_device_is_one_warning_and_no_profile(tmp_path, capsys, monkeypatch):
+  library = _build_cudart(tmp_path, 35)  # cudaErrorInsufficientDriver, as on a host with CUDA's runtime and no GPU
+  monkeypatch.setattr(profiler, "_CUDART_NAMES", (str(library),))
+  _toy_loop(profiler.Profiler(_config(tmp_path, profiler="nsys"), start_step=0))
+  captured = capsys.readouterr()
+  assert captured.err.count("WARNING: profiler=nsys: cudaProfilerStart() returned CUDA error 35") == 1
+  assert "no profile is taken" in captured.err
+  assert "Profiling" not in captured.out and "The profile" not in captured.out
 
 
 def test_nsys_brackets_the_profiled_steps_with_cuda_profiler_calls(tmp_path, fake_cudart, monkeypatch):
