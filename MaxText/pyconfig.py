@@ -132,8 +132,40 @@ def _numerics_debug(values, sources):
     if ignored:
       max_logging.warn(f"numerics_debug_config={path}: {ignored}; ignored in this run")
   _set(values, sources, "numerics_debug", content)
-  if values["fp8_scaling"] != "delayed" and values["quantization"] != "fp8":
-    max_logging.warn(f"fp8_scaling={values['fp8_scaling']} applies to quantization=fp8; ignored in this run")
+
+
+# A switch, when it is on, and the keys that act only then: setting them with the switch off is warned about.
+_COMPANION_KEYS = {
+  "collect_stack_trace": ("collect_stack_trace=true", bool, ("stack_trace_to_cloud", "stack_trace_interval_seconds")),
+  "profiler": (
+    "profiler=xplane|nsys",
+    bool,
+    ("skip_first_n_steps_for_profiler", "profiler_steps", "upload_all_profiler_results"),
+  ),
+  "use_vertex_tensorboard": (
+    "use_vertex_tensorboard=true",
+    bool,
+    ("vertex_tensorboard_project", "vertex_tensorboard_region"),
+  ),
+  "step_watchdog": (
+    "step_watchdog=auto|true",
+    lambda v: v != "false",
+    ("step_watchdog_factor", "step_watchdog_min_seconds"),
+  ),
+  "quantization": ("quantization=fp8", lambda v: v == "fp8", ("fp8_scaling", "fp8_amax_history_length")),
+}
+
+
+def _warn_unused_companions(values, sources):
+  default = config_loader.display_path(config_loader.BASE_YML)
+  for switch, (needs, is_on, keys) in _COMPANION_KEYS.items():
+    given = [
+      f"{key}={str(values[key]).lower() if isinstance(values[key], bool) else values[key]}"
+      for key in keys
+      if sources[key] != default
+    ]
+    if given and not is_on(values[switch]):
+      max_logging.warn(f"{', '.join(given)}: act only with {needs}; ignored in this run")
 
 
 def _derive_static(values, sources, environ):
@@ -142,6 +174,7 @@ def _derive_static(values, sources, environ):
     config_validation.check_run_name(values["run_name"], origin="JOBSET_NAME")
   _scaled_dims(values, sources)
   _numerics_debug(values, sources)
+  _warn_unused_companions(values, sources)
   out = str(values["base_output_directory"])
   if not _is_remote(out):
     _normalise(values, "base_output_directory", os.path.abspath(os.path.expanduser(out)))

@@ -255,3 +255,15 @@ def test_run_name_from_jobset_name_is_checked_and_sourced():
     pyconfig.initialize(["t", BASE_YML], environ={"JOBSET_NAME": "team/run"})
   c = pyconfig.initialize(["t", BASE_YML], environ={"JOBSET_NAME": "job-1.a..b"})
   assert c.run_name == "job-1.a..b" and c.source("run_name") == "environment JOBSET_NAME"
+
+
+def test_keys_that_act_only_with_a_switch_are_warned_about_when_it_is_off(capsys):
+  tiny_config("collect_stack_trace=true", "stack_trace_to_cloud=true", "profiler=xplane", "profiler_steps=3")
+  assert "WARNING" not in capsys.readouterr().err
+  tiny_config("stack_trace_to_cloud=true", "profiler_steps=3", "vertex_tensorboard_region=us-central1")
+  err = capsys.readouterr().err
+  assert "WARNING: stack_trace_to_cloud=true: act only with collect_stack_trace=true; ignored in this run" in err
+  assert "WARNING: profiler_steps=3: act only with profiler=xplane|nsys; ignored in this run" in err
+  assert "vertex_tensorboard_region=us-central1: act only with use_vertex_tensorboard=true" in err
+  tiny_config("step_watchdog=false", "step_watchdog_min_seconds=5")
+  assert "step_watchdog_min_seconds=5: act only with step_watchdog=auto|true" in capsys.readouterr().err
