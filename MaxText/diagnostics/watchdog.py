@@ -4,7 +4,8 @@ the processes that are behind, with the last step each one reached.
 The loop calls `beat(step)` after each step (one tuple assignment and a median of at most 50 numbers: no device sync,
 no I/O) and wraps evals and checkpoint saves in `activity(...)`. A daemon thread polls: when the current activity has
 run longer than step_watchdog_factor x the median duration of that activity (a train step, an eval, a save), and
-at least step_watchdog_min_seconds, the process dumps the stacks of all its threads, once per stall, and says so
+at least step_watchdog_min_seconds (an eval's or a save's first time, which may compile, gets factor x
+min_seconds), the process dumps the stacks of all its threads, once per stall, and says so
 again when it makes progress.
 
 How process 0 learns the other processes' last steps while one of them may be stuck inside a collective: not
@@ -134,7 +135,11 @@ class StepWatchdog:
 
   def _deadline(self, activity: str) -> float:
     durations = self._durations[activity]
-    return max(self.factor * statistics.median(durations), self.min_seconds) if durations else float(self.min_seconds)
+    if durations:
+      return max(self.factor * statistics.median(durations), self.min_seconds)
+    if activity == TRAIN_STEP:  # train.py compiles the train step before the loop starts
+      return float(self.min_seconds)
+    return self.factor * self.min_seconds  # the first eval compiles the eval step: no median to go by yet
 
   def beat(self, step: int) -> None:
     """Step `step` is done on the host (dispatched, and the step before it complete on the devices)."""

@@ -57,17 +57,22 @@ def test_a_stalled_process_is_named_and_both_dump_their_stacks(tmp_path, capfd):
 
 def test_progress_after_a_stall_is_reported_and_evals_have_their_own_clock(tmp_path, capfd):
   with open(tmp_path / "stacks.txt", "w", encoding="utf-8") as out:
-    dog = watchdog.StepWatchdog(10.0, 1, 0, out=out)
+    dog = watchdog.StepWatchdog(1.5, 1, 0, out=out)
     try:
       dog.beat(0)
-      with dog.activity("eval"):
-        time.sleep(1.6)
+      with dog.activity("eval"):  # the first eval (it compiles) may take factor x min_seconds = 1.5 s
+        time.sleep(1.2)
       dog.beat(1)
+      with dog.activity("eval"):  # the second, 1.5 x its median 1.2 s = 1.8 s
+        time.sleep(2.4)
+      dog.beat(2)
       time.sleep(0.5)
     finally:
       dog.close()
-  assert "has been in the eval after step 0 for 1 s" in (tmp_path / "stacks.txt").read_text()
-  assert "Step watchdog: process 0 is past the stall: step 2" in capfd.readouterr().err
+  stacks = (tmp_path / "stacks.txt").read_text()
+  assert "the eval after step 0" not in stacks
+  assert "has been in the eval after step 1 for 2 s, longer than 1.5 x the median eval time (1.2" in stacks
+  assert "Step watchdog: process 0 is past the stall: step 3" in capfd.readouterr().err
 
 
 def test_behind_report():
