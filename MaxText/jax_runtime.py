@@ -15,10 +15,10 @@ def skip_absent_tpu(hardware: str, environ=None) -> None:
 
   libtpu is installed on CPU hosts to compile for TPU targets (train_compile.py); JAX would still try to start
   a TPU there, printing errors and taking libtpu's lock file. Not when the user chose platforms (JAX_PLATFORMS)
-  or hardware, or the host has GPUs.
+  or hardware=tpu, or the host has GPUs.
   """
   environ = os.environ if environ is None else environ
-  if environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or hardware not in ("auto", "cpu"):
+  if environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or hardware == "tpu":
     return
   if importlib.util.find_spec("libtpu") is None or has_tpu_chips() or glob.glob("/dev/nvidia[0-9]*"):
     return

@@ -239,6 +239,18 @@ def _check_no_dcn_parallelism(values):
       )
 
 
+def _check_hardware(hardware: str, devices) -> None:
+  """hardware=gpu|gpu_multiprocess|tpu on a host whose JAX has no such devices is a mistake, not a CPU run."""
+  wanted = {"gpu_multiprocess": "gpu"}.get(hardware, hardware)
+  platform = devices[0].platform.lower()
+  found = {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
+  if wanted in ("gpu", "tpu") and found != wanted:
+    raise ConfigError(
+      f"hardware={hardware} but JAX finds {found} devices on this host: install jax for it (bash setup.sh "
+      f"DEVICE={wanted}) on a {wanted} host, or leave hardware=auto"
+    )
+
+
 def _derive_device_values(values, sources, devices):
   """Values that depend on the devices: hardware, attention kernel, mesh shape and global batch sizes."""
   platform = devices[0].platform.lower()
@@ -346,5 +358,6 @@ def initialize(
     jax_runtime.skip_absent_tpu(values["hardware"], environ)
     cluster.initialize(values["jax_distributed_init"], values["hardware"], values["distributed_init_timeout"], environ)
     devices = jax.devices()
+    _check_hardware(values["hardware"], devices)
   _derive_device_values(values, sources, devices)
   return Config(values, sources)

@@ -267,3 +267,10 @@ def test_keys_that_act_only_with_a_switch_are_warned_about_when_it_is_off(capsys
   assert "vertex_tensorboard_region=us-central1: act only with use_vertex_tensorboard=true" in err
   tiny_config("step_watchdog=false", "step_watchdog_min_seconds=5")
   assert "step_watchdog_min_seconds=5: act only with step_watchdog=auto|true" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("hardware", ["gpu", "tpu"])
+def test_hardware_that_this_host_lacks_is_a_config_error(hardware):
+  wanted = "tpu" if hardware == "tpu" else "gpu"
+  with pytest.raises(ConfigError, match=f"hardware={hardware} but JAX finds cpu devices on this host: .*DEVICE={wanted}"):
+    tiny_config(f"hardware={hardware}")
