@@ -165,9 +165,8 @@ def _run_steps(config, mesh, model, state, state_shardings, p_train_step, data_i
       f"Stopping because {stop_reason}: the last step is {last_step}; {_saved_note(config, manager, last_saved)}."
     )
   else:
-    max_logging.log(
-      f"Training finished at step {config.steps - 1}. TensorBoard: tensorboard --logdir={config.tensorboard_dir}"
-    )
+    board = f" TensorBoard: tensorboard --logdir={config.tensorboard_dir}" if config.enable_tensorboard else ""
+    max_logging.log(f"Training finished at step {config.steps - 1}.{board}")
   return state
 
 
