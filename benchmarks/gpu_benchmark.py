@@ -10,12 +10,18 @@ float32 weights, AdamW; the seed's GPU settings (attention=autoselected: cuDNN f
 use_iota_embed=true, logits_dot_in_fp32=false). Each variant (batch x sequence, scanned or unrolled layers,
 remat policy) runs in its own process through benchmarks/train_step_benchmark.py, i.e. train.py's config,
 model, sharding, compiled train step and synthetic input pipeline (reuse_example_batch=1): --warmup steps,
-then the median of --steps steps. Key=value arguments are added to every variant (they win).
+then the median of --steps steps. Key=value arguments are added to every variant (they win over the model's keys;
+the keys that make a variant, per_device_batch_size, max_target_length, scan_layers and remat_policy, are refused:
+pick variants with --only). They are checked once, before any variant starts, as pyconfig checks a config before it
+looks up devices.
 
 Prints a table: step time, host time per step (Python + dispatch, and its share of the step), tokens/s,
 TFLOP/s/device (6·N·tokens + causal attention, as train.py logs), MFU (against the device's peak bf16
 TFLOP/s), the device's peak memory (n/a where JAX reports none, e.g. CPU) and whether a timed step compiled.
-Variants run in order until --budget seconds are spent; the rest are listed as skipped.
+Variants run in order until --budget seconds are spent; the rest are listed as skipped. Exit status 0; 1 when a
+variant failed (its row says why; one stopped by the budget too) or a timed step compiled; 2 for a wrong argument,
+or when JAX finds no GPU on this host (--cpu-smoke runs the tiny model there). SIGTERM or Ctrl-C ends the running
+variant's process too (it runs in its own process group), then this one (exit status 128 + the signal's number).
 --xla-flags-ablation PRESET measures a preset of MaxText/xla_flag_presets.py on the first variant: with XLA_FLAGS
 as given, with the whole preset, and with each of its flags alone (a row each), so that a recommended preset holds
 only flags measured to help.
@@ -25,10 +31,13 @@ REQUIRED_MODULES lists; it checks them first and names any that is missing (READ
 """
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
 import json
+import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -36,7 +45,12 @@ import time
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
-from MaxText.xla_flag_presets import PRESETS, merged_flags  # noqa: E402  # pylint: disable=wrong-import-position  # (no jax)
+# pylint: disable=wrong-import-position  # (none of these imports jax)
+from MaxText import config_loader, config_validation, pyconfig  # noqa: E402
+from MaxText.errors import UserError  # noqa: E402
+from MaxText.xla_flag_presets import PRESETS, merged_flags  # noqa: E402
+
+# pylint: enable=wrong-import-position
 
 STEP_BENCHMARK = os.path.join(REPO_ROOT, "benchmarks", "train_step_benchmark.py")
 BASE_YML = os.path.join(REPO_ROOT, "MaxText", "configs", "base.yml")
@@ -117,6 +131,9 @@ VARIANTS = (
   Variant(8, 4096, True, "minimal_flash"),
 )
 SMOKE_VARIANTS = (Variant(2, 64, True, "minimal_flash"), Variant(2, 64, False, "save_dot_with_context_except_mlp"))
+VARIANT_KEYS = tuple(arg.split("=", 1)[0] for arg in VARIANTS[0].args())
+# What train_step_benchmark.py gives pyconfig.initialize besides the command line.
+STEP_BENCHMARK_KWARGS = {"run_name": "benchmark", "enable_tensorboard": False}
 
 
 def missing_modules() -> list[str]:
@@ -132,13 +149,54 @@ def missing_modules() -> list[str]:
   return []
 
 
+class Stopped(Exception):
+  """SIGTERM or SIGINT arrived: raised in the main thread by the signal handler, so that `finally` blocks end the
+  variant's process before this one exits."""
+
+  def __init__(self, signum: int):
+    super().__init__(signal.Signals(signum).name)
+    self.signum = signum
+
+
+def _raise_stopped(signum, frame):  # pylint: disable=unused-argument
+  for s in (signal.SIGTERM, signal.SIGINT):  # a second signal must not interrupt the clean-up of the first
+    signal.signal(s, signal.SIG_IGN)
+  raise Stopped(signum)
+
+
+def run_in_own_group(command: list[str], env, timeout: float | None) -> subprocess.CompletedProcess:
+  """Runs a command in its own session (process group), and kills that group whatever ends the wait (the timeout,
+  or Stopped from a signal): a variant's process, which holds most of the GPU's memory, never outlives this one.
+  A Ctrl-C in the terminal reaches only this process, which ends the group.
+
+  Raises subprocess.TimeoutExpired after `timeout` seconds (the group killed).
+  """
+  process = None
+  try:
+    process = subprocess.Popen(
+      command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
+    stdout, stderr = process.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+  finally:
+    if process is not None and process.returncode is None:
+      with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+      process.wait()
+
+
+def variant_keys(variant: Variant, model: list[str], extra: list[str]) -> dict[str, str]:
+  """The config keys of one variant's process: the model's, COMMON's, the variant's, then the user's (the last of a
+  key wins)."""
+  return dict(arg.split("=", 1) for arg in [*model, *COMMON, *variant.args(), *extra])
+
+
 def run_variant(variant: Variant, model: list[str], extra: list[str], steps: int, warmup: int, timeout: float, env) -> dict:
   """One variant in its own process (its own peak memory, and an out-of-memory ends only that one)."""
-  keys = dict(arg.split("=", 1) for arg in [*model, *COMMON, *variant.args(), *extra])  # the last of a key wins
-  command = [sys.executable, STEP_BENCHMARK, BASE_YML, *(f"{k}={v}" for k, v in keys.items())]
+  command = [sys.executable, STEP_BENCHMARK, BASE_YML, *(f"{k}={v}" for k, v in variant_keys(variant, model, extra).items())]
   command += ["--steps", str(steps), "--warmup", str(warmup), "--json"]
   try:
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+    result = run_in_own_group(command, env, timeout)
   except subprocess.TimeoutExpired:
     return {"error": f"stopped after {timeout:.0f} s (the time budget)"}
   lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
@@ -146,6 +204,29 @@ def run_variant(variant: Variant, model: list[str], extra: list[str], steps: int
     return json.loads(lines[-1])
   tail = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
   return {"error": f"exit {result.returncode}: {tail[:200]}"}
+
+
+# Asked in a fresh process, so that this one holds no GPU memory (libtpu, if installed, kept off a host without TPUs).
+_BACKEND_PROBE = (
+  f"import sys; sys.path.insert(0, {REPO_ROOT!r}); from MaxText import jax_runtime; jax_runtime.skip_absent_tpu('auto'); "
+  "import jax; print(jax.default_backend())"
+)
+
+
+def jax_backend(env) -> str | None:
+  """JAX's default backend (gpu, cpu, tpu) in a process with this environment; None if none could start."""
+  try:
+    result = run_in_own_group([sys.executable, "-c", _BACKEND_PROBE], {**env, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}, 300)
+  except subprocess.TimeoutExpired:
+    return None
+  lines = result.stdout.split()
+  return lines[-1] if result.returncode == 0 and lines else None
+
+
+def exit_status(results: dict) -> int:
+  """0 when every variant that started gave a row of figures and compiled nothing while timed, else 1."""
+  failed = [r for r in results.values() if "error" in r or r["compiles_while_timed"]]
+  return 1 if failed or not results else 0
 
 
 def _memory(num_bytes) -> str:
@@ -182,12 +263,83 @@ def flag_ablation_runs(preset: str, user_flags: str) -> list[tuple[str, str]]:
   return runs
 
 
-def main(argv) -> int:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+class _Parser(argparse.ArgumentParser):
+  """argparse with one line for a bad flag: a UserError (exit status 2, no usage block)."""
+
+  def error(self, message):
+    raise UserError(f"{message} (see --help)")
+
+
+def _int_at_least(low: int):
+  def parse(text: str) -> int:
+    try:
+      value = int(text)
+    except ValueError:
+      value = None
+    if value is None or value < low:
+      raise argparse.ArgumentTypeError(f"{text} is not an integer >= {low}")
+    return value
+
+  return parse
+
+
+def _positive_seconds(text: str) -> float:
+  try:
+    value = float(text)
+  except ValueError:
+    value = math.nan
+  if not (math.isfinite(value) and value > 0):
+    raise argparse.ArgumentTypeError(f"{text} is not a number of seconds > 0")
+  return value
+
+
+@dataclasses.dataclass
+class Plan:
+  """What a command line asks for, checked: the runs (row name, variant, environment) and their settings."""
+
+  cpu_smoke: bool
+  model: list[str]
+  runs: list[tuple[str, Variant, dict]]
+  extra: list[str]
+  steps: int
+  warmup: int
+  budget: float
+  ablation: str | None
+
+
+def check_extra_keys(runs, model: list[str], extra: list[str]) -> dict:
+  """The first run's config values, after checking the user's key=value arguments in each run's config as
+  pyconfig.initialize checks a config before it looks up devices: no JAX backend starts, and a mistake is one line
+  (a UserError; a ConfigError names the key and the value) instead of a failed row per variant."""
+  given = config_loader.parse_cli(extra)  # key=value form, and no key twice
+  environ = runs[0][2]
+  fixed = [f"{key}={value}" for key, value in given.items() if key in VARIANT_KEYS]
+  fixed += [
+    f"{name}={environ[name]}" for name in (f"{config_loader.ENV_PREFIX}{k.upper()}" for k in VARIANT_KEYS) if name in environ
+  ]
+  if fixed:
+    raise UserError(
+      f"{fixed[0]}: each variant sets {', '.join(VARIANT_KEYS)} (its row name says how); "
+      "pick variants with --only NAME instead"
+    )
+  first = None
+  for _, variant, env in runs:
+    argv = [STEP_BENCHMARK, BASE_YML, *(f"{k}={v}" for k, v in variant_keys(variant, model, extra).items())]
+    values, sources = config_loader.load_raw_config(argv, env, STEP_BENCHMARK_KWARGS)
+    config_validation.validate_static(values)
+    if first is None:  # files that keys name (e.g. numerics_debug_config) are read here; any warning prints once
+      pyconfig._derive_static(values, sources, dict(env))  # pylint: disable=protected-access
+      first = values
+  return first
+
+
+def plan(argv: list[str]) -> Plan:
+  """Parses and checks a command line; raises UserError (one line) for a mistake."""
+  parser = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--cpu-smoke", action="store_true", help="a tiny model on the CPU, two variants, few steps")
-  parser.add_argument("--steps", type=int, default=None, help="timed steps per variant (default 10; smoke 3)")
-  parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; smoke 1)")
-  parser.add_argument("--budget", type=float, default=450.0, help="seconds for all variants (default 450)")
+  parser.add_argument("--steps", type=_int_at_least(1), default=None, help="timed steps per variant (default 10; smoke 3)")
+  parser.add_argument("--warmup", type=_int_at_least(0), default=None, help="untimed steps first (default 3; smoke 1)")
+  parser.add_argument("--budget", type=_positive_seconds, default=450.0, help="seconds for all variants (default 450)")
   parser.add_argument("--only", action="append", default=[], help="run only this variant (a name from the table)")
   parser.add_argument(
     "--xla-flags-ablation",
@@ -197,24 +349,23 @@ def main(argv) -> int:
   args, extra = parser.parse_known_args(argv[1:])
   not_keys = [arg for arg in extra if "=" not in arg or arg.startswith("-")]
   if not_keys:
-    print(f"Error: {not_keys[0]} is neither an option of this script nor a config key=value", file=sys.stderr)
-    return 2
+    raise UserError(f"{not_keys[0]} is neither an option of this script nor a config key=value")
   missing = missing_modules()
   if missing:
-    print(f"Error: this Python lacks {', '.join(missing)}: carry the wheels (README.md, 'Performance')", file=sys.stderr)
-    return 2
+    raise UserError(f"this Python lacks {', '.join(missing)}: carry the wheels (README.md, 'Performance')")
   env = dict(os.environ)
   if args.cpu_smoke:
-    model, variants, steps, warmup = SMOKE_MODEL, SMOKE_VARIANTS, args.steps or 3, 1 if args.warmup is None else args.warmup
+    model, variants, steps, warmup = SMOKE_MODEL, SMOKE_VARIANTS, 3, 1
     env["JAX_PLATFORMS"] = "cpu"
   else:
-    model, variants, steps, warmup = MODEL, VARIANTS, args.steps or 10, 3 if args.warmup is None else args.warmup
+    model, variants, steps, warmup = MODEL, VARIANTS, 10, 3
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")  # JAX takes 75% by default; 8x4096 wants more
+  steps = steps if args.steps is None else args.steps
+  warmup = warmup if args.warmup is None else args.warmup
   if args.only:
     unknown = sorted(set(args.only) - {v.name for v in variants})
     if unknown:
-      print(f"Error: --only {unknown[0]} is not a variant; variants: {', '.join(v.name for v in variants)}", file=sys.stderr)
-      return 2
+      raise UserError(f"--only {unknown[0]} is not a variant; variants: {', '.join(v.name for v in variants)}")
     variants = [v for v in variants if v.name in args.only]
   runs = [(v.name, v, env) for v in variants]  # (row name, variant, environment)
   if args.xla_flags_ablation:
@@ -222,28 +373,60 @@ def main(argv) -> int:
     runs = [
       (name, variants[0], {**env, "XLA_FLAGS": f}) for name, f in flag_ablation_runs(args.xla_flags_ablation, user_flags)
     ]
-  width = max(50, *(len(name) for name, _, _ in runs))
+  preset = check_extra_keys(runs, model, extra)["xla_flags_preset"]
+  if args.xla_flags_ablation and preset:
+    raise UserError(
+      f"--xla-flags-ablation {args.xla_flags_ablation} measures a preset flag by flag; xla_flags_preset={preset} "
+      "would add a whole preset to every row: leave it out"
+    )
+  if not args.cpu_smoke:
+    backend = jax_backend(env)
+    if backend not in ("gpu", None):  # None: JAX could not start; the variants' rows say why
+      raise UserError(
+        f"JAX finds no GPU on this host (its backend is {backend}); the benchmark's 1.07B model needs one: "
+        "--cpu-smoke runs the tiny model on the CPU"
+      )
+  return Plan(args.cpu_smoke, model, runs, extra, steps, warmup, args.budget, args.xla_flags_ablation)
+
+
+def run(p: Plan) -> int:
+  """Runs the plan's variants within its budget, printing the table; returns the exit status."""
+  width = max(50, *(len(name) for name, _, _ in p.runs))
   start = time.perf_counter()
   print(
-    f"{'CPU smoke (tiny model, not a GPU figure)' if args.cpu_smoke else 'GPU benchmark'}: median of {steps} steps after "
-    f"{warmup} warm-up, {' '.join(extra) or 'no extra keys'}",
+    f"{'CPU smoke (tiny model, not a GPU figure)' if p.cpu_smoke else 'GPU benchmark'}: median of {p.steps} steps "
+    f"after {p.warmup} warm-up, {' '.join(p.extra) or 'no extra keys'}",
     flush=True,
   )
-  print(header(width, f"{variants[0].name} with XLA flags") if args.xla_flags_ablation else header(width), flush=True)
+  print(header(width, f"{p.runs[0][1].name} with XLA flags") if p.ablation else header(width), flush=True)
   results, device = {}, None
-  for name, variant, run_env in runs:
-    left = args.budget - (time.perf_counter() - start)
+  for name, variant, run_env in p.runs:
+    left = p.budget - (time.perf_counter() - start)
     if left <= 0:
-      print(f"{name:<{width}} skipped (--budget {args.budget:.0f} s spent)", flush=True)
+      print(f"{name:<{width}} skipped (--budget {p.budget:.0f} s spent)", flush=True)
       continue
-    results[name] = r = run_variant(variant, model, extra, steps, warmup, left, run_env)
+    results[name] = r = run_variant(variant, p.model, p.extra, p.steps, p.warmup, left, run_env)
     device = device or (f"{r['device_count']} x {r['device_kind']}" if "device_kind" in r else None)
     print(format_row(name, r, width), flush=True)
   print(f"Device: {device or 'unknown'}; {time.perf_counter() - start:.0f} s in all.")
-  if not args.cpu_smoke:
+  if not p.cpu_smoke:
     print(f"Reference: {UPSTREAM_REFERENCE}, 69.8k tokens/s.")
-  ok = [r for r in results.values() if "error" not in r]
-  return 0 if ok and all(not r["compiles_while_timed"] for r in ok) else 1
+  return exit_status(results)
+
+
+def main(argv) -> int:
+  handlers = {s: signal.signal(s, _raise_stopped) for s in (signal.SIGTERM, signal.SIGINT)}
+  try:
+    return run(plan(argv))
+  except UserError as e:
+    print(f"Error: {e}", file=sys.stderr, flush=True)
+    return 2
+  except Stopped as e:
+    print(f"Stopped by {e}: the running variant's process was ended", file=sys.stderr, flush=True)
+    return 128 + e.signum
+  finally:
+    for s, handler in handlers.items():
+      signal.signal(s, handler)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import jax  # noqa: E402  # pylint: disable=wrong-import-position
 import numpy as np  # noqa: E402  # pylint: disable=wrong-import-position
 
 from MaxText import compile_events, flops, jax_runtime, mesh, pyconfig, train_state, train_step  # noqa: E402  # pylint: disable=wrong-import-position
-from MaxText.errors import run_and_exit_on_user_error  # noqa: E402  # pylint: disable=wrong-import-position
+from MaxText.errors import UserError, run_and_exit_on_user_error  # noqa: E402  # pylint: disable=wrong-import-position
 from MaxText.input_pipeline.input_pipeline_interface import create_data_iterator  # noqa: E402  # pylint: disable=wrong-import-position
 
 
@@ -44,18 +44,21 @@ def benchmark(config, steps: int, warmup: int) -> dict:
   iterator = create_data_iterator(config, device_mesh)
   batch = next(iterator)
   iterator.close()
+  if steps < 1 or warmup < 0:
+    raise ValueError(f"steps={steps} must be >= 1 and warmup={warmup} >= 0")
   times, host_times = [], []
   with compile_events.recording() as compiles:
-    for i in range(warmup + steps):
-      if i == warmup:
-        compiled_before_timing = len(compiles)
+    for _ in range(warmup):
+      state, metrics = step_fn(state, batch)
+      jax.block_until_ready(metrics)
+    compiled_before_timing = len(compiles)
+    for _ in range(steps):
       start = time.perf_counter()
       state, metrics = step_fn(state, batch)
       dispatched = time.perf_counter()
       jax.block_until_ready(metrics)
-      if i >= warmup:
-        times.append(time.perf_counter() - start)
-        host_times.append(dispatched - start)
+      times.append(time.perf_counter() - start)
+      host_times.append(dispatched - start)
   seconds = float(np.median(times))
   step_flops = flops.training_tflops_per_device(config)
   tokens = flops.tokens_per_device_per_step(config)
@@ -73,12 +76,32 @@ def benchmark(config, steps: int, warmup: int) -> dict:
   return result
 
 
+class _Parser(argparse.ArgumentParser):
+  """argparse with one line for a bad flag: a UserError (exit status 2, no usage block)."""
+
+  def error(self, message):
+    raise UserError(f"{message} (see --help)")
+
+
+def _int_at_least(low: int):
+  def parse(text: str) -> int:
+    try:
+      value = int(text)
+    except ValueError:
+      value = None
+    if value is None or value < low:
+      raise argparse.ArgumentTypeError(f"{text} is not an integer >= {low}")
+    return value
+
+  return parse
+
+
 def main(argv) -> None:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--steps", type=int, default=20)
-  parser.add_argument("--warmup", type=int, default=3)
+  parser = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--steps", type=_int_at_least(1), default=20, help="timed steps (default 20)")
+  parser.add_argument("--warmup", type=_int_at_least(0), default=3, help="untimed steps first (default 3)")
   parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
-  args, config_argv = parser.parse_known_args(argv[1:])
+  args, config_argv = parser.parse_known_args(argv[1:])  # flags are checked before the config and JAX's backend
   config = pyconfig.initialize([argv[0], *config_argv], run_name="benchmark", enable_tensorboard=False)
   jax_runtime.enable_compilation_cache(config.jax_cache_dir)  # as train.py: a rerun skips the compiles
   r = benchmark(config, args.steps, args.warmup)
