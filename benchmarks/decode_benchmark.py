@@ -8,6 +8,11 @@ baseline that runs the model over the whole (padded) sequence for every new toke
 out), both greedy and compiled before they are timed, with the same params (random: the speed does not depend
 on the weights). Prints the time per generated token and the tokens/s of both, and their ratio.
 
+The benchmark sets each run's per_device_batch_size (from --batches), max_target_length and
+max_prefill_predict_length (from --prompt_length and --tokens), decode_sampling_strategy (greedy) and the params
+(random, so load_parameters_path and load_full_state_path are not read): given on the command line or as M_<KEY>,
+these keys are refused with one line.
+
 The roofline: a generation step reads at least every parameter and the whole KV cache (max_target_length
 slots, which the cache attention reads whatever the position) once, so it takes at least those bytes over the
 device's memory bandwidth (aot_targets.CHIPS by device kind, or --hbm_gbps); "% roofline" is the cached
@@ -15,6 +20,7 @@ tokens/s over the roofline's. On one device; with several, the bytes are those o
 """
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -24,9 +30,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from flax import linen as nn  # noqa: E402
 
-from MaxText import aot_targets, decoding, flops, mesh, pyconfig, sharding  # noqa: E402
-from MaxText.errors import run_and_exit_on_user_error  # noqa: E402
+from MaxText import aot_targets, config_loader, decoding, flops, mesh, pyconfig, sharding  # noqa: E402
+from MaxText.errors import UserError, run_and_exit_on_user_error  # noqa: E402
 
 
 def _recompute_per_token_s(config, model, params, device_mesh, rows: int, prompt_length: int, tokens: int) -> float:
@@ -69,43 +76,124 @@ def roofline_tokens_per_s(rows: int, bytes_per_step: int, bandwidth_gbps: float 
 
 
 def _bandwidth_gbps(override: float | None) -> float | None:
-  if override:
+  if override is not None:
     return override
   kind = jax.devices()[0].device_kind
   chip = aot_targets.CHIPS.get("cpu" if kind == "cpu" else flops.device_generation(kind) or "")
   return chip.memory_bandwidth_gbps if chip else None
 
 
-def main(argv) -> None:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--tokens", type=int, default=256, help="tokens to generate")
-  parser.add_argument("--batches", default="1,64", help="comma-separated batch sizes (rows)")
-  parser.add_argument("--prompt_length", type=int, default=8, help="prompt tokens (BOS and 1s)")
-  parser.add_argument("--hbm_gbps", type=float, default=None, help="memory bandwidth (default: the device's, if known)")
+def _random_params(config, model, abstract_params, device_mesh):
+  """The params of a fresh init (decoding.load_params' fallback, without its warning that the output is random)."""
+  shardings = jax.tree.map(lambda a: a.sharding, abstract_params)
+
+  def init(rng):
+    tokens = jnp.ones((1, 1), jnp.int32)
+    return nn.unbox(model.init({"params": rng, "dropout": rng}, tokens, jnp.zeros_like(tokens)))["params"]
+
+  with sharding.logical_context(device_mesh, config):
+    return jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(config.init_weights_seed))
+
+
+class _Parser(argparse.ArgumentParser):
+  """argparse with one line for a bad flag: a UserError (exit status 2, no usage block)."""
+
+  def error(self, message):
+    raise UserError(f"{message} (see --help)")
+
+
+def _positive_int(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    value = 0
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+  return value
+
+
+def _batch_sizes(text: str) -> list[int]:
+  try:
+    return [_positive_int(b) for b in text.split(",")]
+  except argparse.ArgumentTypeError:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of positive integers, e.g. 1,64") from None
+
+
+def _positive_number(text: str) -> float:
+  try:
+    value = float(text)
+  except ValueError:
+    value = math.nan
+  if not (math.isfinite(value) and value > 0):
+    raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+  return value
+
+
+# Keys that the benchmark sets itself (each row's batch and lengths, greedy decoding, random params): given on the
+# command line or as M_<KEY>, they are refused instead of overridden.
+SET_BY_THE_BENCHMARK = {
+  "per_device_batch_size": "--batches gives each run's rows, over all devices",
+  "max_target_length": "it is max(--prompt_length, 8) + --tokens + 1",
+  "max_prefill_predict_length": "it is max(--prompt_length, 8)",
+  "decode_sampling_strategy": "the benchmark decodes greedily",
+  "load_parameters_path": "the params are random (the speed does not depend on them)",
+  "load_full_state_path": "the params are random (the speed does not depend on them)",
+}
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+  """The flags, checked, and the config arguments ([config.yml, key=value, ...]); a mistake is a UserError."""
+  parser = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--tokens", type=_positive_int, default=256, help="tokens to generate")
+  parser.add_argument("--batches", type=_batch_sizes, default=[1, 64], help="comma-separated batch sizes (rows)")
+  parser.add_argument("--prompt_length", type=_positive_int, default=8, help="prompt tokens (BOS and 1s)")
+  parser.add_argument(
+    "--hbm_gbps", type=_positive_number, default=None, help="memory bandwidth in GB/s (default: the device's, if known)"
+  )
   parser.add_argument("--skip_recompute", action="store_true", help="leave out the recompute baseline")
   args, config_args = parser.parse_known_args(argv[1:])
+  _, sources = config_loader.load_raw_config([argv[0], *config_args], os.environ)
+  for key, why in SET_BY_THE_BENCHMARK.items():
+    if sources[key] in (config_loader.SOURCE_CLI, config_loader.SOURCE_ENV):
+      raise UserError(f"{key} is set by the benchmark ({why}); leave it out")
+  return args, config_args
+
+
+def row_configs(argv0: str, config_args: list[str], args) -> dict:
+  """rows -> the config of that batch. The config is read before JAX's backend starts, as train.py does: it keeps
+  libtpu off a host without TPUs and applies xla_flags_preset; its mistakes are one line before the table."""
+  prefill = max(args.prompt_length, 8)
+  fixed = {
+    "run_name": "",
+    "load_parameters_path": "",
+    "load_full_state_path": "",
+    "dataset_type": "synthetic",
+    "max_prefill_predict_length": prefill,
+    "max_target_length": prefill + args.tokens + 1,  # the prefill samples 1 token, then `tokens` steps
+    "decode_sampling_strategy": "greedy",
+  }
+  pyconfig.initialize([argv0, *config_args], per_device_batch_size=1, **fixed)  # then the devices are known
+  devices = jax.devices()
+  return {
+    rows: pyconfig.initialize([argv0, *config_args], devices=devices, per_device_batch_size=rows / len(devices), **fixed)
+    for rows in args.batches
+  }
+
+
+def main(argv) -> None:
+  args, config_args = parse_args(argv)
+  configs = row_configs(argv[0], config_args, args)
   bandwidth = _bandwidth_gbps(args.hbm_gbps)
   print(f"{jax.devices()[0].device_kind}: memory bandwidth {f'{bandwidth:g} GB/s' if bandwidth else 'unknown (--hbm_gbps)'}")
+  print("Params: random (the timing does not depend on them)")
   print(
     f"{'rows':>4} {'cached ms/token':>16} {'cached tok/s':>13} {'roofline tok/s':>15} {'% roofline':>11} "
     f"{'recompute ms/token':>19} {'recompute tok/s':>16} {'ratio':>6}"
   )
-  for rows in (int(b) for b in args.batches.split(",")):
-    prefill = max(args.prompt_length, 8)
-    config = pyconfig.initialize(
-      [argv[0], *config_args],
-      run_name="",
-      load_parameters_path="",
-      load_full_state_path="",
-      dataset_type="synthetic",
-      per_device_batch_size=rows / jax.device_count(),
-      max_prefill_predict_length=prefill,
-      max_target_length=prefill + args.tokens + 1,  # the prefill samples 1 token, then `tokens` steps
-      decode_sampling_strategy="greedy",
-    )
+  for rows, config in configs.items():
     device_mesh = mesh.create_device_mesh(config)
     model, abstract = decoding.build(config, device_mesh)
-    params = decoding.load_params(config, model, abstract, device_mesh)
+    params = _random_params(config, model, abstract, device_mesh)
     prompt = [1] * args.prompt_length
     cached = decoding.generate(config, model, params, device_mesh, prompt)
     roofline = roofline_tokens_per_s(rows, _device_bytes(params) + kv_cache_bytes(config, rows), bandwidth)
