@@ -325,6 +325,17 @@ def _compile_topology_devices(values) -> list:
 _REQUIRED_HINTS = {"run_name": "name the run, e.g. run_name=demo (outputs go to base_output_directory/run_name)"}
 
 
+def load_static(argv: list[str], environ, **kwargs) -> tuple[dict, dict]:
+  """(values, sources) of a command line, validated and with what needs no devices derived; JAX is not imported.
+
+  The first half of initialize, for tools that check a config before they start a process that uses it.
+  """
+  values, sources = config_loader.load_raw_config(argv, environ, kwargs)
+  config_validation.validate_static(values)
+  _derive_static(values, sources, environ)
+  return values, sources
+
+
 def initialize(
   argv: list[str], environ=None, required_keys: tuple[str, ...] = (), devices=None, for_compile_topology=False, **kwargs
 ) -> Config:
@@ -339,9 +350,7 @@ def initialize(
     **kwargs: typed overrides that win over the command line (for tests).
   """
   environ = os.environ if environ is None else environ
-  values, sources = config_loader.load_raw_config(argv, environ, kwargs)
-  config_validation.validate_static(values)
-  _derive_static(values, sources, environ)
+  values, sources = load_static(argv, environ, **kwargs)
   for key in required_keys:
     if not values[key]:
       raise ConfigError(f"{key} is empty: {_REQUIRED_HINTS.get(key, 'set it on the command line')}")

@@ -20,7 +20,6 @@ tokens/s over the roofline's. On one device; with several, the bytes are those o
 """
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -32,7 +31,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import linen as nn  # noqa: E402
 
-from MaxText import aot_targets, config_loader, decoding, flops, mesh, pyconfig, sharding  # noqa: E402
+from MaxText import aot_targets, cli_args, config_loader, decoding, flops, mesh, pyconfig, sharding  # noqa: E402
 from MaxText.errors import UserError, run_and_exit_on_user_error  # noqa: E402
 
 
@@ -95,38 +94,11 @@ def _random_params(config, model, abstract_params, device_mesh):
     return jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(config.init_weights_seed))
 
 
-class _Parser(argparse.ArgumentParser):
-  """argparse with one line for a bad flag: a UserError (exit status 2, no usage block)."""
-
-  def error(self, message):
-    raise UserError(f"{message} (see --help)")
-
-
-def _positive_int(text: str) -> int:
-  try:
-    value = int(text)
-  except ValueError:
-    value = 0
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-  return value
-
-
 def _batch_sizes(text: str) -> list[int]:
   try:
-    return [_positive_int(b) for b in text.split(",")]
+    return [cli_args.int_at_least(1)(b) for b in text.split(",")]
   except argparse.ArgumentTypeError:
     raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of positive integers, e.g. 1,64") from None
-
-
-def _positive_number(text: str) -> float:
-  try:
-    value = float(text)
-  except ValueError:
-    value = math.nan
-  if not (math.isfinite(value) and value > 0):
-    raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
-  return value
 
 
 # Keys that the benchmark sets itself (each row's batch and lengths, greedy decoding, random params): given on the
@@ -143,12 +115,15 @@ SET_BY_THE_BENCHMARK = {
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
   """The flags, checked, and the config arguments ([config.yml, key=value, ...]); a mistake is a UserError."""
-  parser = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--tokens", type=_positive_int, default=256, help="tokens to generate")
+  parser = cli_args.OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--tokens", type=cli_args.int_at_least(1), default=256, help="tokens to generate")
   parser.add_argument("--batches", type=_batch_sizes, default=[1, 64], help="comma-separated batch sizes (rows)")
-  parser.add_argument("--prompt_length", type=_positive_int, default=8, help="prompt tokens (BOS and 1s)")
+  parser.add_argument("--prompt_length", type=cli_args.int_at_least(1), default=8, help="prompt tokens (BOS and 1s)")
   parser.add_argument(
-    "--hbm_gbps", type=_positive_number, default=None, help="memory bandwidth in GB/s (default: the device's, if known)"
+    "--hbm_gbps",
+    type=cli_args.positive_number(),
+    default=None,
+    help="memory bandwidth in GB/s (default: the device's, if known)",
   )
   parser.add_argument("--skip_recompute", action="store_true", help="leave out the recompute baseline")
   args, config_args = parser.parse_known_args(argv[1:])

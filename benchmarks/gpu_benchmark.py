@@ -35,7 +35,6 @@ import contextlib
 import dataclasses
 import importlib.util
 import json
-import math
 import os
 import signal
 import subprocess
@@ -46,7 +45,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 # pylint: disable=wrong-import-position  # (none of these imports jax)
-from MaxText import config_loader, config_validation, pyconfig  # noqa: E402
+from MaxText import cli_args, config_loader, config_validation, pyconfig  # noqa: E402
 from MaxText.errors import UserError  # noqa: E402
 from MaxText.xla_flag_presets import PRESETS, merged_flags  # noqa: E402
 
@@ -263,36 +262,6 @@ def flag_ablation_runs(preset: str, user_flags: str) -> list[tuple[str, str]]:
   return runs
 
 
-class _Parser(argparse.ArgumentParser):
-  """argparse with one line for a bad flag: a UserError (exit status 2, no usage block)."""
-
-  def error(self, message):
-    raise UserError(f"{message} (see --help)")
-
-
-def _int_at_least(low: int):
-  def parse(text: str) -> int:
-    try:
-      value = int(text)
-    except ValueError:
-      value = None
-    if value is None or value < low:
-      raise argparse.ArgumentTypeError(f"{text} is not an integer >= {low}")
-    return value
-
-  return parse
-
-
-def _positive_seconds(text: str) -> float:
-  try:
-    value = float(text)
-  except ValueError:
-    value = math.nan
-  if not (math.isfinite(value) and value > 0):
-    raise argparse.ArgumentTypeError(f"{text} is not a number of seconds > 0")
-  return value
-
-
 @dataclasses.dataclass
 class Plan:
   """What a command line asks for, checked: the runs (row name, variant, environment) and their settings."""
@@ -325,21 +294,29 @@ def check_extra_keys(runs, model: list[str], extra: list[str]) -> dict:
   first = None
   for _, variant, env in runs:
     argv = [STEP_BENCHMARK, BASE_YML, *(f"{k}={v}" for k, v in variant_keys(variant, model, extra).items())]
-    values, sources = config_loader.load_raw_config(argv, env, STEP_BENCHMARK_KWARGS)
-    config_validation.validate_static(values)
     if first is None:  # files that keys name (e.g. numerics_debug_config) are read here; any warning prints once
-      pyconfig._derive_static(values, sources, dict(env))  # pylint: disable=protected-access
-      first = values
+      first = pyconfig.load_static(argv, dict(env), **STEP_BENCHMARK_KWARGS)[0]
+    else:
+      config_validation.validate_static(config_loader.load_raw_config(argv, env, STEP_BENCHMARK_KWARGS)[0])
   return first
 
 
 def plan(argv: list[str]) -> Plan:
   """Parses and checks a command line; raises UserError (one line) for a mistake."""
-  parser = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = cli_args.OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--cpu-smoke", action="store_true", help="a tiny model on the CPU, two variants, few steps")
-  parser.add_argument("--steps", type=_int_at_least(1), default=None, help="timed steps per variant (default 10; smoke 3)")
-  parser.add_argument("--warmup", type=_int_at_least(0), default=None, help="untimed steps first (default 3; smoke 1)")
-  parser.add_argument("--budget", type=_positive_seconds, default=450.0, help="seconds for all variants (default 450)")
+  parser.add_argument(
+    "--steps", type=cli_args.int_at_least(1), default=None, help="timed steps per variant (default 10; smoke 3)"
+  )
+  parser.add_argument(
+    "--warmup", type=cli_args.int_at_least(0), default=None, help="untimed steps first (default 3; smoke 1)"
+  )
+  parser.add_argument(
+    "--budget",
+    type=cli_args.positive_number("number of seconds"),
+    default=450.0,
+    help="seconds for all variants (default 450)",
+  )
   parser.add_argument("--only", action="append", default=[], help="run only this variant (a name from the table)")
   parser.add_argument(
     "--xla-flags-ablation",

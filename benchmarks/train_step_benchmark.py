@@ -20,8 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402  # pylint: disable=wrong-import-position
 import numpy as np  # noqa: E402  # pylint: disable=wrong-import-position
 
-from MaxText import compile_events, flops, jax_runtime, mesh, pyconfig, train_state, train_step  # noqa: E402  # pylint: disable=wrong-import-position
-from MaxText.errors import UserError, run_and_exit_on_user_error  # noqa: E402  # pylint: disable=wrong-import-position
+from MaxText import cli_args, compile_events, flops, jax_runtime, mesh, pyconfig, train_state, train_step  # noqa: E402  # pylint: disable=wrong-import-position
+from MaxText.errors import run_and_exit_on_user_error  # noqa: E402  # pylint: disable=wrong-import-position
 from MaxText.input_pipeline.input_pipeline_interface import create_data_iterator  # noqa: E402  # pylint: disable=wrong-import-position
 
 
@@ -76,30 +76,10 @@ def benchmark(config, steps: int, warmup: int) -> dict:
   return result
 
 
-class _Parser(argparse.ArgumentParser):
-  """argparse with one line for a bad flag: a UserError (exit status 2, no usage block)."""
-
-  def error(self, message):
-    raise UserError(f"{message} (see --help)")
-
-
-def _int_at_least(low: int):
-  def parse(text: str) -> int:
-    try:
-      value = int(text)
-    except ValueError:
-      value = None
-    if value is None or value < low:
-      raise argparse.ArgumentTypeError(f"{text} is not an integer >= {low}")
-    return value
-
-  return parse
-
-
 def main(argv) -> None:
-  parser = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--steps", type=_int_at_least(1), default=20, help="timed steps (default 20)")
-  parser.add_argument("--warmup", type=_int_at_least(0), default=3, help="untimed steps first (default 3)")
+  parser = cli_args.OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--steps", type=cli_args.int_at_least(1), default=20, help="timed steps (default 20)")
+  parser.add_argument("--warmup", type=cli_args.int_at_least(0), default=3, help="untimed steps first (default 3)")
   parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
   args, config_argv = parser.parse_known_args(argv[1:])  # flags are checked before the config and JAX's backend
   config = pyconfig.initialize([argv[0], *config_argv], run_name="benchmark", enable_tensorboard=False)

@@ -81,12 +81,12 @@ ROW = {
 @pytest.mark.parametrize(
   "args, message",
   [
-    (["--steps", "0"], "argument --steps: 0 is not an integer >= 1"),
-    (["--steps", "-2"], "argument --steps: -2 is not an integer >= 1"),
-    (["--warmup", "-1"], "argument --warmup: -1 is not an integer >= 0"),
-    (["--budget", "nan"], "argument --budget: nan is not a number of seconds > 0"),
-    (["--budget", "0"], "argument --budget: 0 is not a number of seconds > 0"),
-    (["--budget", "-5"], "argument --budget: -5 is not a number of seconds > 0"),
+    (["--steps", "0"], "argument --steps: '0' is not an integer >= 1"),
+    (["--steps", "-2"], "argument --steps: '-2' is not an integer >= 1"),
+    (["--warmup", "-1"], "argument --warmup: '-1' is not an integer >= 0"),
+    (["--budget", "nan"], "argument --budget: 'nan' is not a number of seconds > 0"),
+    (["--budget", "0"], "argument --budget: '0' is not a number of seconds > 0"),
+    (["--budget", "-5"], "argument --budget: '-5' is not a number of seconds > 0"),
     (["foo=bar"], "unknown config key 'foo'"),
     (["steps=abc"], "steps=abc is not an integer"),
     (["attention=sometimes"], "attention=sometimes is not valid"),
@@ -180,9 +180,9 @@ def test_sigterm_ends_the_running_variant_too():
 @pytest.mark.parametrize(
   "args, message",
   [
-    (["--steps", "0"], "argument --steps: 0 is not an integer >= 1"),
-    (["--steps", "-1"], "argument --steps: -1 is not an integer >= 1"),
-    (["--warmup", "-1"], "argument --warmup: -1 is not an integer >= 0"),
+    (["--steps", "0"], "argument --steps: '0' is not an integer >= 1"),
+    (["--steps", "-1"], "argument --steps: '-1' is not an integer >= 1"),
+    (["--warmup", "-1"], "argument --warmup: '-1' is not an integer >= 0"),
   ],
 )
 def test_train_step_benchmark_wrong_steps_are_one_line(capsys, args, message):
