@@ -64,13 +64,14 @@ def train_loop(config):
   mesh = create_device_mesh(config)
   check_eval_data(config, mesh)  # a wrong eval split, glob or file stops the run now, not at step eval_interval
   setup = train_state.build(config, mesh)
-  if config.compiled_trainstep_file:  # compiled ahead of time by train_compile.py
-    p_train_step = train_step.load_compiled_train_step(setup.model, config, mesh, setup.abstract_state)
-  else:  # Pre-flight: compile the step and check its memory before the state is allocated or restored.
-    p_train_step = train_step.compile_train_step(setup.model, config, mesh, setup.abstract_state)
-  data_iterator = create_data_iterator(config, mesh)
-  manager = checkpointing.create_checkpoint_manager(config)
+  data_iterator = create_data_iterator(config, mesh)  # data and tokenizer mistakes stop the run before the compile
+  manager = None
   try:
+    if config.compiled_trainstep_file:  # compiled ahead of time by train_compile.py
+      p_train_step = train_step.load_compiled_train_step(setup.model, config, mesh, setup.abstract_state)
+    else:  # Pre-flight: compile the step and check its memory before the state is allocated or restored.
+      p_train_step = train_step.compile_train_step(setup.model, config, mesh, setup.abstract_state)
+    manager = checkpointing.create_checkpoint_manager(config)
     state, data_state = checkpointing.initial_state(
       config,
       manager,

@@ -177,3 +177,4 @@ def test_tokenizer_larger_than_vocab_is_caught_before_training(tmp_path):
     [TRAIN_PY, "MaxText/configs/base.yml", "run_name=x", *tiny_args(f"base_output_directory={tmp_path}", "vocab_size=100")]
   )
   _assert_one_line_error(result, "has 4096 tokens but vocab_size=100; set vocab_size>=4096")
+  assert "One train step needs" not in result.stdout  # before the step's compile and memory check
