@@ -457,6 +457,8 @@ class PreemptionWatcher:
     del frame
     self.signal_name = signal.Signals(signum).name
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signum == signal.SIGINT:  # the loop may be far from the end of its step: say what happens, and how to hurry
+      max_logging.warn("Ctrl-C: saving a checkpoint after the current step, then stopping; Ctrl-C again interrupts at once")
 
   def should_stop(self, step: int) -> bool:
     if jax.process_count() > 1:

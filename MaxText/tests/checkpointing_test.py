@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from MaxText import checkpointing
 from MaxText.tests.helpers import REPO_ROOT, TRAIN_PY, read_metrics, run_train, tiny_args
 
 
@@ -48,6 +49,17 @@ def test_a_finished_run_says_so_and_exits_zero(tmp_path):
   _ok(result)
   assert "already complete: 3 of steps=3 done" in result.stdout
   assert len(metrics) == 3
+
+
+def test_a_first_ctrl_c_says_what_happens_and_a_second_interrupts(capsys):
+  watcher = checkpointing.PreemptionWatcher()
+  try:
+    watcher._on_signal(signal.SIGINT, None)  # pylint: disable=protected-access
+    assert watcher.should_stop(0)
+    assert "Ctrl-C again interrupts at once" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+  finally:
+    watcher.close()
 
 
 def test_sigterm_saves_the_current_step_and_exits_zero(tmp_path, reference):
