@@ -61,6 +61,11 @@ def load_params(config, model, abstract_params, mesh):
     "no checkpoint (load_parameters_path, load_full_state_path, or a run of this run_name): the params are random, "
     "so the output is random"
   )
+  return random_params(config, model, abstract_params, mesh)
+
+
+def random_params(config, model, abstract_params, mesh):
+  """The params of a fresh init (init_weights_seed), laid out as abstract_params."""
   shardings = jax.tree.map(lambda a: a.sharding, abstract_params)
 
   def init(rng):

@@ -29,7 +29,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from flax import linen as nn  # noqa: E402
 
 from MaxText import aot_targets, cli_args, config_loader, decoding, flops, mesh, pyconfig, sharding  # noqa: E402
 from MaxText.errors import UserError, run_and_exit_on_user_error  # noqa: E402
@@ -80,18 +79,6 @@ def _bandwidth_gbps(override: float | None) -> float | None:
   kind = jax.devices()[0].device_kind
   chip = aot_targets.CHIPS.get("cpu" if kind == "cpu" else flops.device_generation(kind) or "")
   return chip.memory_bandwidth_gbps if chip else None
-
-
-def _random_params(config, model, abstract_params, device_mesh):
-  """The params of a fresh init (decoding.load_params' fallback, without its warning that the output is random)."""
-  shardings = jax.tree.map(lambda a: a.sharding, abstract_params)
-
-  def init(rng):
-    tokens = jnp.ones((1, 1), jnp.int32)
-    return nn.unbox(model.init({"params": rng, "dropout": rng}, tokens, jnp.zeros_like(tokens)))["params"]
-
-  with sharding.logical_context(device_mesh, config):
-    return jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(config.init_weights_seed))
 
 
 def _batch_sizes(text: str) -> list[int]:
@@ -168,7 +155,7 @@ def main(argv) -> None:
   for rows, config in configs.items():
     device_mesh = mesh.create_device_mesh(config)
     model, abstract = decoding.build(config, device_mesh)
-    params = _random_params(config, model, abstract, device_mesh)
+    params = decoding.random_params(config, model, abstract, device_mesh)
     prompt = [1] * args.prompt_length
     cached = decoding.generate(config, model, params, device_mesh, prompt)
     roofline = roofline_tokens_per_s(rows, _device_bytes(params) + kv_cache_bytes(config, rows), bandwidth)
