@@ -5,7 +5,7 @@
 #   bash setup.sh DEVICE=gpu MODE=stable  # DEVICE=cpu|gpu|tpu, MODE=stable|nightly
 #   bash setup.sh WHEEL_DIR=~/wheels      # a host without internet: only the wheels in that directory, no index
 #   bash setup.sh DEVICE=gpu TE=1         # also TransformerEngine's JAX package (attention=cudnn_flash_te)
-#                                         # (README.md, "Hosts without internet", says how to fill it)
+#                                         # (docs/setup.md, "Hosts without internet", says how to fill it)
 #
 # Idempotent: a second run only checks what is installed (seconds).
 set -euo pipefail
@@ -20,12 +20,12 @@ done
 WHEEL_DIR="${WHEEL_DIR:-}"
 if [[ -n "$WHEEL_DIR" ]]; then  # resolved before the cd below, against the caller's directory
   if [[ ! -d "$WHEEL_DIR" ]]; then
-    echo "setup.sh: WHEEL_DIR=$WHEEL_DIR is not a directory (fill one with pip download: README.md, \"Hosts without internet\")" >&2
+    echo "setup.sh: WHEEL_DIR=$WHEEL_DIR is not a directory (fill one with pip download: docs/setup.md, \"Hosts without internet\")" >&2
     exit 2
   fi
   WHEEL_DIR="$(cd "$WHEEL_DIR" && pwd)"
   if ! compgen -G "$WHEEL_DIR/*.whl" >/dev/null; then
-    echo "setup.sh: WHEEL_DIR=$WHEEL_DIR holds no .whl files (fill it with pip download: README.md, \"Hosts without internet\")" >&2
+    echo "setup.sh: WHEEL_DIR=$WHEEL_DIR holds no .whl files (fill it with pip download: docs/setup.md, \"Hosts without internet\")" >&2
     exit 2
   fi
 fi
@@ -70,7 +70,7 @@ pip_install() {
       -e 's/.*No matching distribution found for //p' "$log" | head -n1)"
     target="$("$PYTHON" -c 'import platform, sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}, {platform.machine()}")')"
     if [[ -n "$missing" ]]; then
-      echo "setup.sh: WHEEL_DIR=$WHEEL_DIR has no wheel for $missing that fits this host ($target): pip download it there on a machine with internet (README.md, \"Hosts without internet\")" >&2
+      echo "setup.sh: WHEEL_DIR=$WHEEL_DIR has no wheel for $missing that fits this host ($target): pip download it there on a machine with internet (docs/setup.md, \"Hosts without internet\")" >&2
     else
       echo "setup.sh: pip could not install from WHEEL_DIR=$WHEEL_DIR (its error is above)" >&2
     fi
@@ -87,7 +87,7 @@ esac
 if [[ "$MODE" == "stable" ]]; then
   pip_install "jax${extra}${JAX_RANGE}"
 elif [[ -n "$WHEEL_DIR" ]]; then
-  # The newest jax/jaxlib pre-releases in WHEEL_DIR (downloaded from JAX's nightly index, see README.md).
+  # The newest jax/jaxlib pre-releases in WHEEL_DIR (downloaded from JAX's nightly index, see docs/setup.md).
   pip_install -U --pre "jax${extra}" jaxlib
 else
   # Nightly jax/jaxlib (and libtpu or the CUDA plugin) from JAX's nightly index.
@@ -98,7 +98,7 @@ fi
 pip_install -r requirements.txt
 if [[ "$TE" == 1 ]]; then
   # Optional: attention=cudnn_flash_te. Its JAX extension builds against the installed jax (CUDA headers needed);
-  # from WHEEL_DIR it must be a wheel built on a machine with the same jax (README.md, "Performance").
+  # from WHEEL_DIR it must be a wheel built on a machine with the same jax (docs/performance.md).
   pip_install --no-build-isolation "transformer_engine[jax]"
 fi
 CHECK_ENV=()

@@ -22,7 +22,7 @@ def run_and_exit_on_user_error(main, argv) -> None:
 
   if len(argv) > 1 and argv[1] in ("-h", "--help"):
     print((sys.modules[main.__module__].__doc__ or "").strip())
-    print("\nConfig keys and their defaults: MaxText/configs/base.yml; the README explains the config system.")
+    print("\nConfig keys and their defaults: MaxText/configs/base.yml; docs/config.md explains the config system.")
     return
   try:
     main(argv)

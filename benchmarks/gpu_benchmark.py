@@ -27,7 +27,7 @@ as given, with the whole preset, and with each of its flags alone (a row each), 
 only flags measured to help.
 
 Besides JAX with CUDA, flax, optax, orbax and their dependencies, the benchmark imports only what
-REQUIRED_MODULES lists; it checks them first and names any that is missing (README.md, "Performance").
+REQUIRED_MODULES lists; it checks them first and names any that is missing (docs/performance.md).
 """
 
 import argparse
@@ -329,7 +329,7 @@ def plan(argv: list[str]) -> Plan:
     raise UserError(f"{not_keys[0]} is neither an option of this script nor a config key=value")
   missing = missing_modules()
   if missing:
-    raise UserError(f"this Python lacks {', '.join(missing)}: carry the wheels (README.md, 'Performance')")
+    raise UserError(f"this Python lacks {', '.join(missing)}: carry the wheels (docs/performance.md)")
   env = dict(os.environ)
   if args.cpu_smoke:
     model, variants, steps, warmup = SMOKE_MODEL, SMOKE_VARIANTS, 3, 1

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# AOT-compiles the README's 16B example (2 x v5e-256) and the published run configs on this machine (a CPU is
+# AOT-compiles docs/aot_compile.md's 16B example (2 x v5e-256) and the published run configs on this machine (a CPU is
 # enough: libtpu describes the TPU topologies), and prints each one's compile time, peak host RSS and verdict.
 #
 #   bash end_to_end/test_train_compile.sh [16b|published|all]     (default all; libtpu: bash setup.sh DEVICE=tpu)

@@ -278,7 +278,7 @@ def test_config_json_old_and_new_rope_forms():
 
 @pytest.mark.slow
 def test_readme_recipe_convert_train_convert_back(tmp_path):
-  """The README's fine-tuning recipe as a user runs it: convert, train 2 steps from model.yml, convert the run back."""
+  """docs/huggingface.md's fine-tuning recipe as a user runs it: convert, train 2 steps from model.yml, convert it back."""
   hf_dir = build_hf_model(str(tmp_path / "hf"), "llama")
   out = str(tmp_path / "out")
   result = _cli("to_maxtext", "--hf_path", hf_dir, "--output_dir", out, "--check_logits")

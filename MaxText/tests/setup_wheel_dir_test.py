@@ -38,7 +38,8 @@ def test_missing_wheel_dir(tmp_path):
   result = run_setup(tmp_path, "DEVICE=cpu", "WHEEL_DIR=no_such_dir")
   assert result.returncode == 2
   assert result.stderr.strip() == (
-    'setup.sh: WHEEL_DIR=no_such_dir is not a directory (fill one with pip download: README.md, "Hosts without internet")'
+    "setup.sh: WHEEL_DIR=no_such_dir is not a directory "
+    '(fill one with pip download: docs/setup.md, "Hosts without internet")'
   )
 
 
