@@ -9,7 +9,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 import re
 import signal
 import time
@@ -19,16 +18,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from MaxText import max_logging, params_layout
+from MaxText import fault_injection, max_logging, params_layout
 from MaxText.errors import UserError
 from MaxText.input_pipeline.batching import merge_process_states
 
 STATE_ITEM = "items"
 DATA_ITEM = "data_iter"
 QUARANTINE_DIR = "corrupted_checkpoints"
-# Test-only fault injection: "kill_during_save:<step>" SIGKILLs the process while that step's async save is in flight;
-# "hang_at_step:<step>" blocks the loop before that step (diagnostics/loop.py), for the step watchdog's test.
-FAULT_INJECTION_ENV = "MAXTEXT_FAULT_INJECTION"
 _MAX_LISTED_MISMATCHES = 5
 _TREE_METADATA_FILE = "_METADATA"  # Orbax's metadata of an items directory (the tree, its shapes and dtypes)
 # How a checkpoint read went, worst last: every process takes the branch of the worst verdict.
@@ -433,9 +429,7 @@ def save_checkpoint(manager, step: int, state, data_iterator) -> float:
   start = time.time()
   args = {STATE_ITEM: ocp.args.StandardSave(state), DATA_ITEM: DataIteratorSave(data_iterator.get_state())}
   manager.save(step, args=ocp.args.Composite(**args), force=True)
-  if os.environ.get(FAULT_INJECTION_ENV) == f"kill_during_save:{step}":
-    max_logging.warn(f"{FAULT_INJECTION_ENV}: killing the process while the save of step {step} is in flight")
-    os.kill(os.getpid(), signal.SIGKILL)
+  fault_injection.kill_during_save(step)  # a test's SIGKILL while the save is in flight
   return time.time() - start
 
 

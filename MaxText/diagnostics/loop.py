@@ -1,29 +1,11 @@
 """What the training loop calls around its steps: the profiler, the step watchdog, and a test's injected hang."""
 
 import contextlib
-import os
-import time
 
 import jax
 
-from MaxText import max_logging
-from MaxText.checkpointing import FAULT_INJECTION_ENV
+from MaxText import fault_injection
 from MaxText.diagnostics import profiler, watchdog
-
-
-def _injected_hang_step() -> int | None:
-  """The step before which this process hangs for a test: MAXTEXT_FAULT_INJECTION=hang_at_step:<step>."""
-  value = os.environ.get(FAULT_INJECTION_ENV, "")
-  if value.startswith("hang_at_step:"):
-    return int(value.split(":", 1)[1])
-  return None
-
-
-def _hang(step: int) -> None:
-  """Blocks in Python, as a process stuck in its own code would (its threads still run and can dump their stacks)."""
-  max_logging.warn(f"{FAULT_INJECTION_ENV}: process {jax.process_index()} hangs before step {step}")
-  while True:
-    time.sleep(3600)
 
 
 class LoopDiagnostics:
@@ -32,13 +14,11 @@ class LoopDiagnostics:
   def __init__(self, config, start_step: int):
     self.profiler = profiler.Profiler(config, start_step)
     self.watchdog = watchdog.create(config, start_step)
-    self._hang_step = _injected_hang_step()
 
   @contextlib.contextmanager
   def step(self, step: int, state):
     """Around getting a batch and dispatching step `step` (the profiler's trace names the step)."""
-    if step == self._hang_step:
-      _hang(step)
+    fault_injection.hang_before(step)  # a test's hang (MAXTEXT_FAULT_INJECTION=hang_at_step:<step>)
     self.profiler.before_step(step, state)
     with jax.profiler.StepTraceAnnotation("train", step_num=step):
       yield

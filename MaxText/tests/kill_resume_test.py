@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from MaxText import checkpointing
+from MaxText import fault_injection
 from MaxText.tests.helpers import REPO_ROOT, TRAIN_PY, read_metrics, tiny_args
 
 STEPS = 40
@@ -40,7 +40,7 @@ def _launch(command, devices, kill_at_step=None, fault=None):
   """Runs the command; SIGKILLs it once the metrics file reaches kill_at_step. Returns the exit code."""
   env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
   if fault:
-    env[checkpointing.FAULT_INJECTION_ENV] = fault
+    env[fault_injection.ENV] = fault
   metrics_path = pathlib.Path(next(a.split("=", 1)[1] for a in command if a.startswith("metrics_file=")))
   proc = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   if kill_at_step is not None:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from MaxText.checkpointing import FAULT_INJECTION_ENV
+from MaxText import fault_injection
 from MaxText.diagnostics import watchdog
 from MaxText.tests.helpers import TRAIN_PY, start_cpu_processes, tiny_args, tiny_config
 
@@ -117,7 +117,7 @@ def test_a_hung_process_of_two_is_named_and_both_dump_their_stacks(tmp_path):
     f"base_output_directory={tmp_path}", "steps=200", "per_device_batch_size=1", "step_watchdog_min_seconds=3"
   )
   command = [sys.executable, TRAIN_PY, "MaxText/configs/base.yml", "run_name=hang", "enable_checkpointing=false", *args]
-  procs = start_cpu_processes(command, devices_per_process=2, rank_env={1: {FAULT_INJECTION_ENV: "hang_at_step:3"}})
+  procs = start_cpu_processes(command, devices_per_process=2, rank_env={1: {fault_injection.ENV: "hang_at_step:3"}})
   lines, outputs = queue.Queue(), ["", ""]
   for rank, proc in enumerate(procs):
     threading.Thread(target=_read_lines, args=(proc, lines, rank), daemon=True).start()
