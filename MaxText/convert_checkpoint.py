@@ -49,7 +49,7 @@ def main(argv: list[str]) -> None:
   from MaxText.hf_conversion import converter, logit_check
 
   if args.check_logits:
-    logit_check._require_torch()  # pylint: disable=protected-access  # fail before converting, not after
+    logit_check.require_torch()  # fail before converting, not after
   if args.command == "to_maxtext":
     model_yml = converter.to_maxtext(args.hf_path, args.output_dir)
     print(f"Wrote {model_yml} and {os.path.join(args.output_dir, converter.PARAMS_DIR)}", flush=True)

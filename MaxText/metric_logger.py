@@ -15,39 +15,11 @@ import numpy as np
 from etils import epath
 
 from MaxText import flops as flops_lib
-from MaxText import max_logging
+from MaxText import max_logging, metrics_file
 from MaxText.diagnostics import plots
 from MaxText.errors import UserError
 
 _TENSORBOARD_FLUSH_SECONDS = 30
-
-
-def _keep_lines_before(path: str, start_step: int, run_name: str | None = None) -> None:
-  """Keeps the metrics of steps before start_step: a resumed run rewrites the steps after its checkpoint
-  (and a line cut short by a kill), so the file never holds a step twice or a hole.
-
-  With run_name, the lines of other runs (a metrics_file that several runs share) are kept whatever their step.
-  """
-  kept, others = [], set()
-  if os.path.exists(path):
-    with open(path, encoding="utf-8") as f:
-      for line in f:
-        try:
-          record = json.loads(line)
-          other = run_name is not None and record.get("run_name", run_name) != run_name
-          if other or record["step"] < start_step:
-            kept.append(line if line.endswith("\n") else line + "\n")
-          if other:
-            others.add(str(record["run_name"]))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-          continue
-  if others:
-    max_logging.warn(
-      f"{path} also holds the metrics of run(s) {', '.join(sorted(others))}: kept; each line names its run_name, "
-      "and the plots select by it"
-    )
-  with open(path, "w", encoding="utf-8") as f:
-    f.writelines(kept)
 
 
 def _format_eta(seconds: float) -> str:
@@ -81,7 +53,7 @@ class MetricLogger:
     if config.metrics_file and jax.process_index() == 0:
       try:
         os.makedirs(os.path.dirname(os.path.abspath(config.metrics_file)), exist_ok=True)
-        _keep_lines_before(config.metrics_file, start_step, config.run_name)
+        metrics_file.keep_lines_before(config.metrics_file, start_step, config.run_name)
         self._metrics_file = open(config.metrics_file, "a", encoding="utf-8")  # pylint: disable=consider-using-with
       except OSError as e:
         raise UserError(f"metrics_file={config.metrics_file} cannot be written: {e.strerror or e}") from None

@@ -16,10 +16,9 @@ import jax
 import yaml
 from etils import epath
 
-from MaxText import max_logging
+from MaxText import max_logging, metrics_file
 from MaxText.diagnostics import layer_names, numerics_config, numerics_stats
 from MaxText.errors import UserError
-from MaxText.metric_logger import _keep_lines_before  # pylint: disable=protected-access  # the same resume rule
 
 STATS_DIR = "debug_statistics_logs"
 STATS_FILE = "numerics_statistics.jsonl"
@@ -117,7 +116,7 @@ def observers(config, params, writer, start_step: int) -> list:
     _write_debug_logs(config, numerics, dense_layers)
     if plan is not None and not remote:
       os.makedirs(os.path.dirname(path), exist_ok=True)
-      _keep_lines_before(path, start_step)
+      metrics_file.keep_lines_before(path, start_step)  # the metrics file's resume rule
   except OSError as e:
     raise UserError(f"numerics_debug_config: cannot write under the run directory {config.run_dir}: {e}") from None
   if plan is None:

@@ -16,7 +16,8 @@ def random_tokens(vocab_size: int, length: int = SEQUENCE_LENGTH, seed: int = 0)
   return np.random.default_rng(seed).integers(0, vocab_size, size=(BATCH, length), dtype=np.int32)
 
 
-def _require_torch():
+def require_torch():
+  """(torch, transformers), or a UserError that says how to install them."""
   try:
     import torch  # pylint: disable=import-outside-toplevel
     import transformers  # pylint: disable=import-outside-toplevel
@@ -29,7 +30,7 @@ def _require_torch():
 
 def hf_logits(hf_dir: str, tokens: np.ndarray, hidden_states: bool = False):
   """float32 logits (B, T, V) of the transformers model in hf_dir (and its hidden states if asked)."""
-  torch, transformers = _require_torch()
+  torch, transformers = require_torch()
   model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
   model.eval()
   with torch.no_grad():
@@ -80,7 +81,7 @@ def compare(reference: np.ndarray, logits: np.ndarray) -> tuple[float, float]:
 
 def check(hf_dir: str, model_yml: str, params_dir: str, vocab_size: int) -> tuple[float, float]:
   """Runs both models, prints the one-line verdict, and raises a UserError above TOLERANCE."""
-  _require_torch()
+  require_torch()
   tokens = random_tokens(vocab_size)
   max_abs, kl = compare(hf_logits(hf_dir, tokens), maxtext_logits(model_yml, params_dir, tokens))
   print(f"logit check: max_abs_diff={max_abs:.3g} kl={kl:.3g}", flush=True)

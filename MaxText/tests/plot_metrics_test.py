@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from MaxText import metric_logger
+from MaxText import metric_logger, metrics_file
 from MaxText.diagnostics import plots
 from MaxText.errors import UserError
 from MaxText.tests.helpers import TRAIN_PY, read_metrics, run_python, run_train, tiny_args, tiny_config
@@ -137,10 +137,10 @@ def test_runs_sharing_a_metrics_file_keep_each_others_lines(tmp_path, capsys):
   _write_metrics_file(path, "a", [3.0, 2.0, 1.5])
   with open(path, "a", encoding="utf-8") as f:
     f.write(json.dumps({"step": 0.0, "run_name": "b", "learning/loss": 4.0}) + "\n")
-  metric_logger._keep_lines_before(path, 2, "a")  # pylint: disable=protected-access  # run a resumes at step 2
+  metrics_file.keep_lines_before(path, 2, "a")  # run a resumes at step 2
   assert [(r["run_name"], r["step"]) for r in plots.read_metrics_file(path)] == [("a", 0), ("a", 1), ("b", 0)]
   assert "also holds the metrics of run(s) b: kept" in capsys.readouterr().err
-  metric_logger._keep_lines_before(path, 0, "b")  # pylint: disable=protected-access  # run b starts again
+  metrics_file.keep_lines_before(path, 0, "b")  # run b starts again
   assert [(r["run_name"], r["step"]) for r in plots.read_metrics_file(path)] == [("a", 0), ("a", 1)]
 
 
