@@ -16,13 +16,20 @@ class ConfigError(UserError):
 def run_and_exit_on_user_error(main, argv) -> None:
   """Runs an entry point's main(argv); a UserError becomes one line on stderr and exit status 2.
 
-  `-h`/`--help` prints the entry point's module docstring (its usage) instead.
+  `-h`/`--help` prints the entry point's module docstring (its usage) instead, then, for an entry point that reads
+  a config (it imports pyconfig), every config key with its type, default, valid values and help.
   """
   import sys  # pylint: disable=import-outside-toplevel
 
   if len(argv) > 1 and argv[1] in ("-h", "--help"):
-    print((sys.modules[main.__module__].__doc__ or "").strip())
-    print("\nConfig keys and their defaults: MaxText/configs/base.yml; docs/config.md explains the config system.")
+    module = sys.modules[main.__module__]
+    print((module.__doc__ or "").strip())
+    pyconfig = vars(module).get("pyconfig")
+    if pyconfig is None:
+      print("\nConfig keys and their defaults: MaxText/configs/base.yml; docs/config.md explains the config system.")
+      return
+    print()
+    pyconfig.exit_with_help_if_asked(argv)
     return
   try:
     main(argv)

@@ -4,16 +4,26 @@
     config.emb_dim, config.global_batch_size_to_train_on, config.source("steps")
 
 Order: YAML (with base_config parents) < model preset < M_<KEY> environment < command line < kwargs.
+`--help` among the arguments prints every key instead (config_schema) and exits.
 Static checks run before JAX is imported; then the devices are looked up (initialising jax.distributed
 when a cluster environment asks for it) to fill -1 parallelism values and the global batch sizes.
 """
 
 import math
 import os
+import sys
 
 import yaml
 
-from MaxText import attention_selection, common_types, config_loader, config_validation, max_logging, xla_flag_presets
+from MaxText import (
+  attention_selection,
+  common_types,
+  config_loader,
+  config_schema,
+  config_validation,
+  max_logging,
+  xla_flag_presets,
+)
 from MaxText.diagnostics import numerics_config
 from MaxText.errors import ConfigError
 
@@ -134,38 +144,17 @@ def _numerics_debug(values, sources):
   _set(values, sources, "numerics_debug", content)
 
 
-# A switch, when it is on, and the keys that act only then: setting them with the switch off is warned about.
-_COMPANION_KEYS = {
-  "collect_stack_trace": ("collect_stack_trace=true", bool, ("stack_trace_to_cloud", "stack_trace_interval_seconds")),
-  "profiler": (
-    "profiler=xplane|nsys",
-    bool,
-    ("skip_first_n_steps_for_profiler", "profiler_steps", "upload_all_profiler_results"),
-  ),
-  "use_vertex_tensorboard": (
-    "use_vertex_tensorboard=true",
-    bool,
-    ("vertex_tensorboard_project", "vertex_tensorboard_region"),
-  ),
-  "step_watchdog": (
-    "step_watchdog=auto|true",
-    lambda v: v != "false",
-    ("step_watchdog_factor", "step_watchdog_min_seconds"),
-  ),
-  "quantization": ("quantization=fp8", lambda v: v == "fp8", ("fp8_scaling", "fp8_amax_history_length")),
-}
-
-
 def _warn_unused_companions(values, sources):
+  """Keys set (not left at base.yml's default) while the switch they act with (config_schema) is off are warned about."""
   default = config_loader.display_path(config_loader.BASE_YML)
-  for switch, (needs, is_on, keys) in _COMPANION_KEYS.items():
+  for switch, keys in config_schema.switches().items():
     given = [
       f"{key}={str(values[key]).lower() if isinstance(values[key], bool) else values[key]}"
       for key in keys
       if sources[key] != default
     ]
-    if given and not is_on(values[switch]):
-      max_logging.warn(f"{', '.join(given)}: act only with {needs}; ignored in this run")
+    if given and not switch.is_on(values[switch.key]):
+      max_logging.warn(f"{', '.join(given)}: act only with {switch}; ignored in this run")
 
 
 def _derive_static(values, sources, environ):
@@ -315,11 +304,19 @@ def _compile_topology_devices(values) -> list:
     raise ConfigError(
       "compile_topology is empty: name the target hardware, e.g. compile_topology=v5e-256 (or cpu-8 for this host)"
     )
-  num_slices = values["compile_topology_num_slices"]
-  if num_slices == 0 or num_slices < -1:
-    raise ConfigError(f"compile_topology_num_slices={num_slices} must be a positive number of slices (-1 means 1)")
+  num_slices = values["compile_topology_num_slices"]  # -1 or positive (config_schema)
   target = aot_targets.lookup(values["compile_topology"])
   return aot_targets.devices(target, max(num_slices, 1))
+
+
+HELP_FLAGS = ("-h", "--help")
+
+
+def exit_with_help_if_asked(argv: list[str]) -> None:
+  """`--help` (or `-h`) anywhere after the program: prints every config key (config_schema) and exits 0, before JAX."""
+  if any(arg in HELP_FLAGS for arg in argv[1:]):
+    config_schema.print_help(sys.stdout)
+    sys.exit(0)
 
 
 _REQUIRED_HINTS = {"run_name": "name the run, e.g. run_name=demo (outputs go to base_output_directory/run_name)"}
@@ -349,6 +346,7 @@ def initialize(
     for_compile_topology: the config is for the devices of compile_topology (train_compile.py), not the local ones.
     **kwargs: typed overrides that win over the command line (for tests).
   """
+  exit_with_help_if_asked(argv)
   environ = os.environ if environ is None else environ
   values, sources = load_static(argv, environ, **kwargs)
   for key in required_keys:

@@ -1,0 +1,42 @@
+"""Keys of base.yml's Mesh and parallelism section: the mesh axes, how many ways each splits, and the sharding rules."""
+
+from MaxText.common_types import MESH_AXIS_KEY
+from MaxText.config_keys import Key, Range
+
+# One -1 per level is filled so that the product is the devices per slice (ici) or the slices (dcn).
+_DCN = Range(1, also=(-1,), says="a positive integer, or -1 to fill the remaining slices")
+_ICI = Range(1, also=(-1,), says="a positive integer, or -1 to fill the remaining devices")
+_PIPELINE = "Pipeline stages (mesh axis stage); pipeline parallelism is not implemented yet: 1."
+
+SECTIONS = {
+  "Mesh and parallelism": {
+    "mesh_axes": Key("The mesh axes, in order; each set by its ici_/dcn_*_parallelism.", choices=tuple(MESH_AXIS_KEY)),
+    "data_sharding": Key("The mesh axes that split the batch dimension of every input array: [[axis, ...]]."),
+    # Across slices (data center network)
+    "dcn_data_parallelism": Key("Ways the slices split over mesh axis data (replicas).", range=_DCN),
+    "dcn_pipeline_parallelism": Key(_PIPELINE, range=_DCN),
+    "dcn_fsdp_parallelism": Key(
+      "Ways the slices split over mesh axis fsdp (sharded params and optimizer state).", range=_DCN
+    ),
+    "dcn_fsdp_transpose_parallelism": Key("Ways the slices split over mesh axis fsdp_transpose.", range=_DCN),
+    "dcn_sequence_parallelism": Key("Ways the slices split over mesh axis sequence.", range=_DCN),
+    "dcn_tensor_parallelism": Key("Ways the slices split over mesh axis tensor.", range=_DCN),
+    "dcn_expert_parallelism": Key("Ways the slices split over mesh axis expert.", range=_DCN),
+    "dcn_autoregressive_parallelism": Key("Ways the slices split over mesh axis autoregressive.", range=_DCN),
+    # Within a slice (inter-chip interconnect)
+    "ici_data_parallelism": Key("Ways the devices of a slice split over mesh axis data (replicas).", range=_ICI),
+    "ici_pipeline_parallelism": Key(_PIPELINE, range=_ICI),
+    "ici_fsdp_parallelism": Key(
+      "Ways the devices of a slice split over mesh axis fsdp (sharded params and optimizer state).", range=_ICI
+    ),
+    "ici_fsdp_transpose_parallelism": Key("Ways the devices of a slice split over mesh axis fsdp_transpose.", range=_ICI),
+    "ici_sequence_parallelism": Key("Ways the devices of a slice split over mesh axis sequence.", range=_ICI),
+    "ici_tensor_parallelism": Key("Ways the devices of a slice split over mesh axis tensor.", range=_ICI),
+    "ici_expert_parallelism": Key("Ways the devices of a slice split over mesh axis expert.", range=_ICI),
+    "ici_autoregressive_parallelism": Key("Ways the devices of a slice split over mesh axis autoregressive.", range=_ICI),
+    "allow_split_physical_axes": Key("Let a mesh axis span parts of several physical device axes (jax mesh_utils)."),
+    "logical_axis_rules": Key(
+      "[logical axis name, mesh axes] pairs; an array dim takes the first rule of its name whose axes it leaves unused."
+    ),
+  },
+}

@@ -1,0 +1,44 @@
+"""Keys of base.yml's Checkpointing and Optimizer sections."""
+
+from MaxText.common_types import OPTIMIZERS
+from MaxText.config_keys import FRACTION, NON_NEGATIVE, POSITIVE, Key, Range
+
+_DECAY = Range(0, 1, high_open=True)
+
+SECTIONS = {
+  "Checkpointing": {
+    "enable_checkpointing": Key(
+      "Save to <run_dir>/checkpoints/<step>: every checkpoint_period steps, at the last step, on SIGTERM."
+    ),
+    "async_checkpointing": Key("Write in the background; the loop only waits for the device-to-host copy."),
+    "checkpoint_period": Key("Save every this many steps (from step 0), and at the last step.", range=POSITIVE),
+    "max_num_checkpoints_to_keep": Key(
+      "Keep the newest N checkpoints; null keeps all.",
+      range=Range(1, also=(None,), says="null (keep all) or a positive integer"),
+      kind="int",
+    ),
+    "load_parameters_path": Key("Start from these params (an Orbax PyTree with params), e.g. <run>/checkpoints/<N>/items."),
+    "load_full_state_path": Key("Start from this whole train state (params, optimizer state, step); not with the above."),
+    "force_unroll": Key("generate_param_only_checkpoint.py: write per-layer params (layers_i) from scanned ones."),
+  },
+  "Optimizer": {
+    "opt_type": Key("The optimizer (with global-norm clipping).", choices=OPTIMIZERS),
+    "adam_b1": Key("Adam's first-moment decay.", range=_DECAY),
+    "adam_b2": Key("Adam's second-moment decay.", range=_DECAY),
+    "adam_eps": Key("Added to the root of the second moment.", range=NON_NEGATIVE),
+    "adam_eps_root": Key("Added to the second moment inside the root.", range=NON_NEGATIVE),
+    "adam_weight_decay": Key("Decoupled weight decay (AdamW), times the learning rate.", range=NON_NEGATIVE),
+    "gradient_clipping_threshold": Key("Clip the gradients to this global norm; 0 disables.", range=NON_NEGATIVE),
+    "gradient_accumulation_steps": Key(
+      "Microbatches per update: the update of one batch that many times larger.", range=POSITIVE
+    ),
+    "learning_rate": Key("Peak learning rate, reached at the end of the warmup.", range=NON_NEGATIVE),
+    "cosine_learning_rate_final_fraction": Key(
+      "The cosine decays to learning_rate x this at learning_rate_schedule_steps (then 0).", range=FRACTION
+    ),
+    "warmup_steps_fraction": Key("Linear warmup over this fraction of learning_rate_schedule_steps.", range=FRACTION),
+    "learning_rate_schedule_steps": Key(
+      "Length of the warmup + cosine schedule; -1: steps.", range=Range(1, also=(-1,), says="positive (or -1 for steps)")
+    ),
+  },
+}
