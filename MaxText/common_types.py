@@ -4,8 +4,16 @@ Each implementing module has a test asserting that its table covers exactly thes
 """
 
 DECODER_BLOCKS = ("default", "llama2", "mistral", "mixtral", "gemma", "gemma2", "gpt3", "qwen3")
-# Decoder layers in one scanned block, where not 1 (Gemma 2 scans (local, global) pairs).
+# Decoder layers in one block of the stack, where not 1 (Gemma 2 stacks (local, global) pairs): the one place that
+# says it, read by the config checks (before JAX starts), the decoder stack and the quantization recipes.
 DECODER_LAYERS_PER_BLOCK = {"gemma2": 2}
+
+
+def num_blocks(decoder_block: str, num_decoder_layers: int) -> int:
+  """The blocks of the decoder stack (scanned as decoder/layers, or unrolled as layers_0 .. layers_{n-1})."""
+  return num_decoder_layers // DECODER_LAYERS_PER_BLOCK.get(decoder_block, 1)
+
+
 ATTENTION_KERNELS = ("autoselected", "dot_product", "flash", "cudnn_flash_jax", "cudnn_flash_te")
 REMAT_POLICIES = (
   "full",
@@ -32,6 +40,7 @@ XLA_FLAGS_PRESETS = ("", "a3mega")  # "" = none; the flags are in xla_flag_prese
 JAX_DISTRIBUTED_INIT = ("auto", "always", "never")
 NONFINITE_ACTIONS = ("abort", "skip", "none")
 QUANTIZATIONS = ("", "int8", "int8w", "fp8")
+GEMMS = ("fprop", "dgrad", "wgrad")  # a dense layer's forward GEMM, and its input's and kernel's gradient GEMMs
 FP8_SCALINGS = ("delayed", "current")
 KV_QUANT_AXES = ("heads_and_dkv", "dkv")
 KV_QUANT_DTYPES = ("int8",)

@@ -38,7 +38,9 @@ _OUTSIDE_THE_STEP = {
 
 def step_signature(config, devices) -> dict:
   """What a compiled step depends on: the config values that shape it, the devices and the jax version."""
-  values = {k: v for k, v in sorted(config.get_keys().items()) if k not in _OUTSIDE_THE_STEP}
+  # A parsed value (numerics_debug) by its content, not its Python object.
+  values = {k: v.to_plain() if hasattr(v, "to_plain") else v for k, v in sorted(config.get_keys().items())}
+  values = {k: v for k, v in values.items() if k not in _OUTSIDE_THE_STEP}
   values["device_kind"] = devices[0].device_kind
   values["jax_version"] = jax.__version__
   return values

@@ -22,10 +22,10 @@ from MaxText.errors import run_and_exit_on_user_error  # pylint: disable=wrong-i
 def layer_lines(config, params) -> list[str]:
   """The listing of the dense layers of `params` (arrays or shapes), one line each, after a header."""
   # pylint: disable=import-outside-toplevel
-  from MaxText.diagnostics import layer_names, numerics_config, numerics_log
-  from MaxText.layers import quantizations
+  from MaxText.diagnostics import numerics_log
+  from MaxText.layers import layer_names, quantizations
 
-  numerics = numerics_config.from_config(config)
+  numerics = config.numerics_debug
   quant = quantizations.from_config(config)
   layers = layer_names.dense_layers(params, config)
   numerics_log.warn_unmatched_sections(numerics, layers)

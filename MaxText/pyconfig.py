@@ -74,7 +74,10 @@ class Config:
 
 
 def _plain(value):
-  """Tuples to lists, so that the resolved config reads back as the YAML it came from."""
+  """Tuples to lists and parsed objects (numerics_debug) to their YAML, so that the resolved config reads back as
+  the YAML it came from."""
+  if hasattr(value, "to_plain"):
+    return value.to_plain()
   if isinstance(value, (list, tuple)):
     return [_plain(v) for v in value]
   return value
@@ -124,9 +127,10 @@ def resolve_asset_path(path: str, config_path: str) -> str | None:
 
 
 def _numerics_debug(values, sources):
-  """Reads numerics_debug_config into the derived numerics_debug: its canonical content ({} when off), which the
-  compiled step's signature then holds. A mistake in the file is a ConfigError naming the section and field."""
-  path, content = values["numerics_debug_config"], {}
+  """Parses numerics_debug_config once into the derived numerics_debug, the typed NumericsDebugConfig that the run
+  carries (empty when off); the resolved config and the compiled step's signature hold its canonical content
+  (to_plain). A mistake in the file is a ConfigError naming the section and field."""
+  path, parsed = values["numerics_debug_config"], numerics_config.NumericsDebugConfig()
   if path:
     found = resolve_asset_path(path, values["config_path"])
     if found is None or _is_remote(found):
@@ -135,13 +139,12 @@ def _numerics_debug(values, sources):
         "and the config's directory)"
       )
     _normalise(values, "numerics_debug_config", found)
-    blocks = values["num_decoder_layers"] // common_types.DECODER_LAYERS_PER_BLOCK.get(values["decoder_block"], 1)
+    blocks = common_types.num_blocks(values["decoder_block"], values["num_decoder_layers"])
     parsed = numerics_config.load(found, blocks)
-    content = parsed.to_plain()
     ignored = parsed.ignored_by(values["quantization"])
     if ignored:
       max_logging.warn(f"numerics_debug_config={path}: {ignored}; ignored in this run")
-  _set(values, sources, "numerics_debug", content)
+  _set(values, sources, "numerics_debug", parsed)
 
 
 def _warn_unused_companions(values, sources):

@@ -10,7 +10,9 @@ from flax import struct
 from flax.training import train_state
 
 from MaxText import memory_check, optimizers, sharding
+from MaxText.diagnostics import numerics_taps
 from MaxText.layers import quantizations
+from MaxText.layers.linears import Gemm
 from MaxText.layers.models import Transformer
 
 
@@ -22,7 +24,9 @@ class Fp8TrainState(train_state.TrainState):
 
 
 def create_model(config) -> Transformer:
-  return Transformer(config)
+  """The model, its dense layers quantized as the config says and tapped when the run collects numerics statistics."""
+  tap = numerics_taps.dot_general if config.numerics_debug.collects_stats else None
+  return Transformer(config, Gemm(quant=quantizations.from_config(config), tap=tap))
 
 
 def _init_boxed_state(model, tx, config, rng) -> train_state.TrainState:

@@ -36,7 +36,7 @@ def _loss_terms(model, config, params, batch, dropout_rng, train: bool, numerics
     batch["inputs"],
     batch["inputs_position"],
     batch["inputs_segmentation"],
-    enable_dropout=train and config.enable_dropout,
+    deterministic=not (train and config.enable_dropout),
     rngs={"dropout": dropout_rng},
     mutable=["intermediates"],
   )  # (B, T, V) float32

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from MaxText import max_logging
-from MaxText.diagnostics import layer_names
 from MaxText.errors import UserError
+from MaxText.layers import layer_names
 
 SKIPPED = "learning/nonfinite_skipped"  # 1.0 in a step's metrics when its update was skipped
 REPORT = "nonfinite"  # the step's report (a dict of int32 scalars), read by HostCheck

@@ -25,9 +25,10 @@ One or more named sections, each selecting layers and turning features on for th
 and the field. The low-precision features (disable_fp8_gemm, disable_fp8_layer, per_tensor_scaling) are only
 parsed here, for the quantized dense layers to read through NumericsDebugConfig.gemm_precision.
 
-Pure Python (no JAX): pyconfig loads the file with the other config checks, and keeps the canonical form
-(`to_plain`: every default written out, disabled features left out) in the derived key `numerics_debug`, so the
-compiled step's signature holds the file's content, not only its path.
+Pure Python (no JAX): pyconfig parses the file once, with the other config checks, into the derived key
+`numerics_debug` (a NumericsDebugConfig) that the run carries; the resolved config and the compiled step's
+signature hold its canonical form (`to_plain`: every default written out, disabled features left out), so the
+signature holds the file's content, not only its path.
 """
 
 import dataclasses
@@ -35,8 +36,8 @@ import os
 import re
 
 from MaxText import config_loader
-from MaxText.diagnostics import layer_names
 from MaxText.errors import ConfigError
+from MaxText.layers import layer_names
 
 STATS = ("min", "max", "mean", "std", "l1_norm", "l2_norm", "cur_amax", "dynamic_range")
 FP8_STATS = ("underflows", "overflows")
@@ -428,9 +429,3 @@ def load(path: str, num_layers: int) -> NumericsDebugConfig:
           f"(1-{num_layers})"
         )
   return parsed
-
-
-def from_config(config) -> NumericsDebugConfig:
-  """The parsed numerics debug config of a Config (empty when numerics_debug_config is "")."""
-  plain = config.numerics_debug
-  return parse(plain, "numerics_debug") if plain else NumericsDebugConfig()

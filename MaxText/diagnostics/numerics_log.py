@@ -17,8 +17,9 @@ import yaml
 from etils import epath
 
 from MaxText import max_logging, metrics_file
-from MaxText.diagnostics import layer_names, numerics_config, numerics_stats
+from MaxText.diagnostics import numerics_config, numerics_stats
 from MaxText.errors import UserError
+from MaxText.layers import layer_names
 
 STATS_DIR = "debug_statistics_logs"
 STATS_FILE = "numerics_statistics.jsonl"
@@ -102,7 +103,7 @@ def observers(config, params, writer, start_step: int) -> list:
     writer: the TensorBoard writer (None: none).
     start_step: the first step of this run: a resumed run drops the file's lines from this step on.
   """
-  numerics = numerics_config.from_config(config)
+  numerics = config.numerics_debug
   if not numerics:
     return []
   dense_layers = layer_names.dense_layers(params, config)

@@ -12,7 +12,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from MaxText.diagnostics import layer_names, numerics_config, numerics_taps
+from MaxText.diagnostics import numerics_config, numerics_taps
+from MaxText.layers import layer_names
 
 METRICS_KEY = "numerics"
 _MIN = ("min", "amin_nonzero")
@@ -247,7 +248,7 @@ class Plan:
 
 def create_plan(config, params) -> Plan | None:
   """The statistics plan of numerics_debug_config for these params (shapes suffice), or None when none are asked for."""
-  numerics = numerics_config.from_config(config)
+  numerics = config.numerics_debug
   if not numerics.collects_stats:
     return None
   plan = Plan.create(numerics, layer_names.dense_layers(params, config))

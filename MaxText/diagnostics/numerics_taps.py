@@ -30,7 +30,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-COLLECTION = "numerics"
+from MaxText.layers import linears
+
+COLLECTION = linears.TAP_COLLECTION
 SOWN = {"activation": "numerics_activation", "weight": "numerics_weight"}  # names in `intermediates`
 # The FP8 format each tensor is cast to in FP8 training (TE's and upstream MaxText's hybrid recipe).
 FP8_FORMAT = {"activation": jnp.float8_e4m3fn, "weight": jnp.float8_e4m3fn, "gradient": jnp.float8_e5m2}

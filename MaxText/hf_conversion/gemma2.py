@@ -67,5 +67,4 @@ FAMILY = Family(
   layer_params=LAYER_PARAMS,
   config_to_maxtext=config_to_maxtext,
   config_to_hf=config_to_hf,
-  layers_per_block=2,
 )

@@ -8,6 +8,8 @@ import dataclasses
 
 import numpy as np
 
+from MaxText import common_types
+
 # How an HF tensor becomes a MaxText param (HF nn.Linear weights are (out, in); MaxText kernels are (in, out)).
 #   identity   norms, embeddings                              (X,) -> (X,)
 #   transpose  MLP and router kernels, logits                 (out, in) -> (in, out)
@@ -89,7 +91,6 @@ class Family:
     layer_params: params of one decoder layer.
     config_to_maxtext: HF config.json dict -> MaxText config keys (raises UserError on an unsupported variant).
     config_to_hf: MaxText config (attribute access) -> HF config.json keys.
-    layers_per_block: HF layers in one MaxText decoder block (Gemma 2 pairs a local and a global layer).
   """
 
   name: str
@@ -100,4 +101,8 @@ class Family:
   layer_params: tuple
   config_to_maxtext: object
   config_to_hf: object
-  layers_per_block: int = 1
+
+  @property
+  def layers_per_block(self) -> int:
+    """HF layers in one MaxText decoder block (Gemma 2 pairs a local and a global layer)."""
+    return common_types.DECODER_LAYERS_PER_BLOCK.get(self.decoder_block, 1)

@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText.layers import initializers, kv_cache, quantizations
+from MaxText.layers import initializers, kv_cache
 from MaxText.layers.embeddings import Llama3RopeScaling, apply_rotary_embedding
 from MaxText.layers.flash_attention import flash_attention
 from MaxText.layers.gpu_attention import cudnn_attention, transformer_engine_attention
-from MaxText.layers.linears import DenseGeneral
+from MaxText.layers.linears import DenseGeneral, Gemm
 from MaxText.layers.normalizations import RMSNorm
 
 # Large negative instead of -inf: a fully masked row then gives a uniform softmax instead of NaN.
@@ -120,25 +120,26 @@ class Attention(nn.Module):
   num_query_heads: int
   num_kv_heads: int
   head_dim: int
-  attention_kernel: str = "dot_product"  # a common_types.ATTENTION_KERNELS name other than autoselected
-  attention_segments: str = "mask"  # cudnn_flash_jax: gpu_attention.SEGMENTS (how packed segments are masked)
-  rope_min_timescale: float = 1
-  rope_max_timescale: float = 10_000
-  rope_scaling: Llama3RopeScaling | None = None
+  attention_kernel: str  # a common_types.ATTENTION_KERNELS name other than autoselected
+  attention_segments: str  # cudnn_flash_jax: gpu_attention.SEGMENTS (how packed segments are masked)
+  rope_min_timescale: float
+  rope_max_timescale: float
+  rope_scaling: Llama3RopeScaling | None
+  query_scale: float  # multiplies the query after RoPE: 1/sqrt(head_dim), or query_pre_attn_scalar**-0.5
+  sliding_window: int
+  logits_soft_cap: float
+  norm_epsilon: float
+  fused_qkv: bool
+  cache_length: int  # slots of the KV cache: max_target_length
+  quantize_kvcache: bool  # int8 keys and values in the cache, with a scale per kv_quant_axis
+  kv_quant_axis: str  # "dkv": a scale per token and head; "heads_and_dkv": per token
+  gemm: Gemm
+  dtype: str
+  weight_dtype: str
+  # What a family picks (not config keys).
   use_rope: bool = True
-  query_scale: float = 1.0  # multiplies the query after RoPE: 1/sqrt(head_dim), or query_pre_attn_scalar**-0.5
-  sliding_window: int = 0
-  logits_soft_cap: float = 0.0
   use_bias: bool = False
   use_qk_norm: bool = False
-  norm_epsilon: float = 1e-6
-  fused_qkv: bool = False
-  cache_length: int = 0  # slots of the KV cache: max_target_length
-  quantize_kvcache: bool = False  # int8 keys and values in the cache, with a scale per kv_quant_axis
-  kv_quant_axis: str = "heads_and_dkv"  # "dkv": a scale per token and head; "heads_and_dkv": per token
-  quant: quantizations.Quantization | None = None
-  dtype: str = "float32"
-  weight_dtype: str = "float32"
 
   def _project(self, x):
     """(B, T, E) -> query (B, T, Nq, D), key and value (B, T, Nkv, D), with their remat names."""
@@ -148,7 +149,7 @@ class Attention(nn.Module):
       weight_dtype=self.weight_dtype,
       kernel_init=initializers.attention_kernel_init,
       use_bias=self.use_bias,
-      quant=self.quant,
+      gemm=self.gemm,
     )
     if self.fused_qkv:
       qkv = dense((3, self.num_query_heads, self.head_dim), ("embed", None, "heads", "kv"), name="qkv_proj")(x)
@@ -189,7 +190,9 @@ class Attention(nn.Module):
     return tuple(cached)
 
   @nn.compact
-  def __call__(self, x, positions, segment_ids):
+  def __call__(self, x, positions, segment_ids, deterministic: bool):
+    """x (B, T, E), positions and segment_ids (B, T) -> (B, T, E). `deterministic`: no dropout (none here yet)."""
+    del deterministic
     query, key, value = self._project(x)
     if self.use_qk_norm:
       norm = functools.partial(RMSNorm, epsilon=self.norm_epsilon, dtype=self.dtype, weight_dtype=self.weight_dtype)
@@ -229,7 +232,7 @@ class Attention(nn.Module):
       weight_dtype=self.weight_dtype,
       kernel_init=initializers.attention_kernel_init,
       use_bias=self.use_bias,
-      quant=self.quant,
+      gemm=self.gemm,
       name="out",
     )(out)
     return checkpoint_name(out, "out_proj")

@@ -1,5 +1,11 @@
 """Builders that create the shared sub-blocks from the config, so that family blocks stay short, and the
-DecoderFamily record through which a family tells the generic decoder stack what it needs."""
+DecoderFamily record through which a family tells the generic decoder stack what it needs.
+
+The layer contract: the decoder, every block and attention are called (x, positions, segment_ids, deterministic),
+where `deterministic` (a Python bool) turns dropout off; a block has the fields `config` and `gemm` (how its dense
+layers multiply: linears.Gemm), and returns x's shape. The stack (models.Decoder) constrains and names each block's
+input (decoder_layer_input) and scans or unrolls the blocks; blocks hold the math only.
+"""
 
 import dataclasses
 from collections.abc import Callable
@@ -7,10 +13,9 @@ from collections.abc import Callable
 import flax.linen as nn
 
 from MaxText import attention_selection
-from MaxText.layers import quantizations
 from MaxText.layers.attentions import Attention
 from MaxText.layers.embeddings import Llama3RopeScaling
-from MaxText.layers.linears import MlpBlock
+from MaxText.layers.linears import Gemm, MlpBlock
 from MaxText.layers.moe import MoeBlock
 from MaxText.layers.normalizations import LayerNorm, RMSNorm
 
@@ -47,7 +52,7 @@ def rope_scaling(config) -> Llama3RopeScaling | None:
   )
 
 
-def self_attention(config, name: str = "self_attention", **family_options) -> Attention:
+def self_attention(config, gemm: Gemm, name: str = "self_attention", **family_options) -> Attention:
   """Attention from the config; family_options (use_rope, use_bias, use_qk_norm, sliding_window) override it."""
   options = dict(
     num_query_heads=config.num_query_heads,
@@ -65,7 +70,7 @@ def self_attention(config, name: str = "self_attention", **family_options) -> At
     cache_length=config.max_target_length,
     quantize_kvcache=config.quantize_kvcache,
     kv_quant_axis=config.kv_quant_axis,
-    quant=quantizations.from_config(config),
+    gemm=gemm,
     norm_epsilon=config.normalization_layer_epsilon,
     dtype=config.dtype,
     weight_dtype=config.weight_dtype,
@@ -74,7 +79,7 @@ def self_attention(config, name: str = "self_attention", **family_options) -> At
   return Attention(**options, name=name)
 
 
-def mlp(config, name: str = "mlp", use_bias: bool = False) -> MlpBlock:
+def mlp(config, gemm: Gemm, name: str = "mlp", use_bias: bool = False) -> MlpBlock:
   return MlpBlock(
     intermediate_dim=config.mlp_dim,
     activations=config.mlp_activations,
@@ -83,7 +88,7 @@ def mlp(config, name: str = "mlp", use_bias: bool = False) -> MlpBlock:
     weight_dtype=config.weight_dtype,
     use_bias=use_bias,
     fused=config.fused_mlp,
-    quant=quantizations.from_config(config),
+    gemm=gemm,
     name=name,
   )
 
@@ -107,24 +112,17 @@ def dropout(config) -> nn.Dropout:
   return nn.Dropout(config.dropout_rate, broadcast_dims=(-2,))
 
 
-def layer_input(x):
-  return nn.with_logical_constraint(x, ("activation_batch", "activation_length", "activation_embed"))
-
-
 @dataclasses.dataclass(frozen=True)
 class DecoderFamily:
   """What the generic decoder stack (models.Decoder) takes from a family.
 
   Attributes:
-    layer: the module scanned num_decoder_layers / layers_per_block times, called (x, segment_ids, positions,
-      deterministic) -> x.
+    layer: the block (the module docstring's contract), stacked common_types.num_blocks times: Gemma 2's holds two
+      decoder layers, as common_types.DECODER_LAYERS_PER_BLOCK says.
     final_norm: builds the norm after the last layer, called (config, name).
     scale_embedding: multiply the token embeddings by sqrt(emb_dim) in the activation dtype (Gemma).
-    layers_per_block: decoder layers in one `layer` (Gemma 2: a local and a global layer); must equal
-      common_types.DECODER_LAYERS_PER_BLOCK, which the config validation reads.
   """
 
   layer: type[nn.Module]
   final_norm: Callable = rms_norm
   scale_embedding: bool = False
-  layers_per_block: int = 1

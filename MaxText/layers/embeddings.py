@@ -20,10 +20,10 @@ class Embed(nn.Module):
 
   num_embeddings: int
   features: int
-  dtype: str = "float32"
-  weight_dtype: str = "float32"
-  attend_dtype: str = "float32"
-  use_iota: bool = False
+  dtype: str
+  weight_dtype: str
+  use_iota: bool
+  attend_dtype: str
 
   def setup(self):
     self.embedding = self.param(
@@ -51,9 +51,9 @@ class Llama3RopeScaling:
   short ones kept, and the band between original/low_freq_factor and original/high_freq_factor interpolated."""
 
   factor: float
-  low_freq_factor: float = 1.0
-  high_freq_factor: float = 4.0
-  original_max_position_embeddings: int = 8192
+  low_freq_factor: float
+  high_freq_factor: float
+  original_max_position_embeddings: int
 
   def apply(self, inv_freq):
     """(D/2,) float32 frequencies -> the scaled ones."""

@@ -5,9 +5,9 @@ presets tie the logits to the embedding (logits_via_embedding) without dividing 
 """
 
 import flax.linen as nn
-from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.layers import block_parts
+from MaxText.layers.linears import Gemm
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -20,20 +20,20 @@ class GemmaDecoderLayer(nn.Module):
   """
 
   config: object
+  gemm: Gemm
   sliding_window: int | None = None
 
   @nn.compact
-  def __call__(self, x, segment_ids, positions, deterministic: bool):
+  def __call__(self, x, positions, segment_ids, deterministic: bool):
     cfg = self.config
     window = cfg.sliding_window_size if self.sliding_window is None else self.sliding_window
-    x = checkpoint_name(block_parts.layer_input(x), "decoder_layer_input")  # (B, T, E)
-    attn = block_parts.self_attention(cfg, sliding_window=window)(
-      block_parts.gemma_rms_norm(cfg, "pre_self_attention_norm")(x), positions, segment_ids
+    attn = block_parts.self_attention(cfg, self.gemm, sliding_window=window)(
+      block_parts.gemma_rms_norm(cfg, "pre_self_attention_norm")(x), positions, segment_ids, deterministic
     )
     if cfg.use_post_attn_norm:
       attn = block_parts.gemma_rms_norm(cfg, "post_self_attention_norm")(attn)
     h = x + block_parts.dropout(cfg)(attn, deterministic=deterministic)
-    mlp = block_parts.mlp(cfg)(block_parts.gemma_rms_norm(cfg, "pre_ffw_norm")(h), deterministic)
+    mlp = block_parts.mlp(cfg, self.gemm)(block_parts.gemma_rms_norm(cfg, "pre_ffw_norm")(h), deterministic)
     if cfg.use_post_ffw_norm:
       mlp = block_parts.gemma_rms_norm(cfg, "post_ffw_norm")(mlp)
     return h + block_parts.dropout(cfg)(mlp, deterministic=deterministic)

@@ -9,19 +9,22 @@ import flax.linen as nn
 
 from MaxText.layers import block_parts
 from MaxText.layers.gemma import GemmaDecoderLayer
+from MaxText.layers.linears import Gemm
 
 
 class Gemma2DecoderLayerPair(nn.Module):
   """Layers 2i (`local`: window sliding_window_size) and 2i+1 (`global`: no window) of Gemma 2."""
 
   config: object
+  gemm: Gemm
 
   @nn.compact
-  def __call__(self, x, segment_ids, positions, deterministic: bool):
-    x = GemmaDecoderLayer(self.config, name="local")(x, segment_ids, positions, deterministic)
-    return GemmaDecoderLayer(self.config, sliding_window=0, name="global")(x, segment_ids, positions, deterministic)
+  def __call__(self, x, positions, segment_ids, deterministic: bool):
+    x = GemmaDecoderLayer(self.config, self.gemm, name="local")(x, positions, segment_ids, deterministic)
+    return GemmaDecoderLayer(self.config, self.gemm, sliding_window=0, name="global")(
+      x, positions, segment_ids, deterministic
+    )
 
 
-FAMILY = block_parts.DecoderFamily(
-  Gemma2DecoderLayerPair, final_norm=block_parts.gemma_rms_norm, scale_embedding=True, layers_per_block=2
-)
+# Two decoder layers per block: common_types.DECODER_LAYERS_PER_BLOCK["gemma2"].
+FAMILY = block_parts.DecoderFamily(Gemma2DecoderLayerPair, final_norm=block_parts.gemma_rms_norm, scale_embedding=True)

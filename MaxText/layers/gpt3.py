@@ -5,25 +5,25 @@ the family ends with a LayerNorm.
 """
 
 import flax.linen as nn
-from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.layers import block_parts
+from MaxText.layers.linears import Gemm
 
 
 class Gpt3DecoderLayer(nn.Module):
   """h = x + attn(ln(x)); out = h + mlp(ln(h))."""
 
   config: object
+  gemm: Gemm
 
   @nn.compact
-  def __call__(self, x, segment_ids, positions, deterministic: bool):
+  def __call__(self, x, positions, segment_ids, deterministic: bool):
     cfg = self.config
-    x = checkpoint_name(block_parts.layer_input(x), "decoder_layer_input")  # (B, T, E)
-    attn = block_parts.self_attention(cfg, use_rope=False, use_bias=True)(
-      block_parts.layer_norm(cfg, "pre_self_attention_norm")(x), positions, segment_ids
+    attn = block_parts.self_attention(cfg, self.gemm, use_rope=False, use_bias=True)(
+      block_parts.layer_norm(cfg, "pre_self_attention_norm")(x), positions, segment_ids, deterministic
     )
     h = x + block_parts.dropout(cfg)(attn, deterministic=deterministic)
-    mlp = block_parts.mlp(cfg, use_bias=True)(block_parts.layer_norm(cfg, "pre_mlp_norm")(h), deterministic)
+    mlp = block_parts.mlp(cfg, self.gemm, use_bias=True)(block_parts.layer_norm(cfg, "pre_mlp_norm")(h), deterministic)
     return h + block_parts.dropout(cfg)(mlp, deterministic=deterministic)
 
 

@@ -1,15 +1,19 @@
 """Dense projections over several axes, and the gated MLP block."""
 
+import dataclasses
 import functools
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import flax.linen as nn
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText.diagnostics import numerics_taps
 from MaxText.layers import initializers, quantizations
+
+# The collection whose entries ask a dense layer's `Gemm.tap` for statistics of its operands (numerics debugging);
+# the decoder stacks it over scanned layers like the params.
+TAP_COLLECTION = "numerics"
 
 ACTIVATIONS = {
   "silu": nn.silu,
@@ -28,6 +32,32 @@ def _canonical_axes(axes, ndim: int) -> tuple[int, ...]:
   return tuple(a % ndim for a in axes)
 
 
+@dataclasses.dataclass(frozen=True)
+class Gemm:
+  """How the dense layers of the decoder layers multiply, built once per model (train_state.create_model).
+
+  Attributes:
+    quant: quantization=int8|int8w|fp8, per layer and per GEMM (quantizations.from_config); None: lax.dot_general.
+    tap: statistics of the GEMM's operands and output gradient, called as
+      tap(module, inputs, kernel, dimension_numbers, gemm, fp8_scales) (diagnostics.numerics_taps.dot_general);
+      None when the run collects none. It acts only where the model is applied with TAP_COLLECTION.
+  """
+
+  quant: quantizations.Quantization | None = None
+  tap: Callable | None = None
+
+  def __call__(self, module, inputs, kernel, dimension_numbers):
+    """The GEMM of the DenseGeneral `module`."""
+    gemm = functools.partial(quantizations.dot_general, module, self.quant)
+    if self.tap is None:
+      return gemm(inputs, kernel, dimension_numbers)
+    fp8_scales = functools.partial(quantizations.fp8_tap_scales, module, self.quant, inputs, kernel)
+    return self.tap(module, inputs, kernel, dimension_numbers, gemm, fp8_scales)
+
+
+PLAIN = Gemm()  # lax.dot_general: the logits, the MoE router and the experts
+
+
 class DenseGeneral(nn.Module):
   """A projection contracting `axis` of the input into `features` (an int or a tuple of output dims).
 
@@ -37,12 +67,12 @@ class DenseGeneral(nn.Module):
 
   features: int | Sequence[int]
   kernel_axes: Sequence[str]
+  dtype: str
+  weight_dtype: str
   axis: int | Sequence[int] = -1
-  dtype: str = "float32"
-  weight_dtype: str = "float32"
   kernel_init: callable = initializers.default_kernel_init
   use_bias: bool = False
-  quant: quantizations.Quantization | None = None  # quantization=int8|int8w|fp8 (quantizations.from_config)
+  gemm: Gemm = PLAIN
 
   @nn.compact
   def __call__(self, inputs):
@@ -58,10 +88,7 @@ class DenseGeneral(nn.Module):
     )
     inputs = inputs.astype(self.dtype)
     kernel = kernel.astype(self.dtype)
-    # The one GEMM of every dense layer: quantized here, and numerics statistics tap it (see numerics_taps).
-    gemm = functools.partial(quantizations.dot_general, self, self.quant)
-    fp8_scales = functools.partial(quantizations.fp8_tap_scales, self, self.quant, inputs, kernel)
-    out = numerics_taps.dot_general(self, inputs, kernel, ((axis, in_axes), ((), ())), gemm, fp8_scales)
+    out = self.gemm(self, inputs, kernel, ((axis, in_axes), ((), ())))  # quantized and tapped as the run asks
     if self.use_bias:
       bias_axes = tuple(self.kernel_axes)[len(kernel_in) :]
       bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, bias_axes), features, self.weight_dtype)
@@ -77,17 +104,17 @@ class MlpBlock(nn.Module):
 
   intermediate_dim: int
   activations: Sequence[str]
-  dropout_rate: float = 0.0
-  dtype: str = "float32"
-  weight_dtype: str = "float32"
+  dropout_rate: float
+  dtype: str
+  weight_dtype: str
+  fused: bool
+  gemm: Gemm
   use_bias: bool = False
-  fused: bool = False
-  quant: quantizations.Quantization | None = None
 
   @nn.compact
   def __call__(self, x, deterministic: bool):
     dense = functools.partial(
-      DenseGeneral, dtype=self.dtype, weight_dtype=self.weight_dtype, use_bias=self.use_bias, quant=self.quant
+      DenseGeneral, dtype=self.dtype, weight_dtype=self.weight_dtype, use_bias=self.use_bias, gemm=self.gemm
     )
     num = len(self.activations)
     if self.fused and num > 1:

@@ -5,15 +5,15 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from MaxText import common_types
-from MaxText.diagnostics import numerics_taps
-from MaxText.layers import block_parts, gemma, gemma2, gpt3, quantizations
+from MaxText.layers import block_parts, gemma, gemma2, gpt3, linears, quantizations
 from MaxText.layers.attentions import soft_cap
 from MaxText.layers.block_parts import DecoderFamily
 from MaxText.layers.default_block import DecoderLayer
 from MaxText.layers.embeddings import Embed
-from MaxText.layers.linears import DenseGeneral
+from MaxText.layers.linears import DenseGeneral, Gemm
 from MaxText.layers.llama2 import LlamaDecoderLayer
 from MaxText.layers.mistral import MistralDecoderLayer
 from MaxText.layers.mixtral import MixtralDecoderLayer
@@ -37,7 +37,7 @@ DECODER_BLOCKS = {
 STACKED_COLLECTIONS = {
   "intermediates": 0,
   "cache": 0,
-  numerics_taps.COLLECTION: 0,
+  linears.TAP_COLLECTION: 0,
   quantizations.FP8_COLLECTION: 0,
   quantizations.TABLE_COLLECTION: 0,
 }
@@ -71,7 +71,7 @@ REMAT_POLICIES = {
 
 def num_blocks(config) -> int:
   """Scanned blocks (layers/ stacked, or layers_0 .. layers_{n-1}) of the decoder: layers / layers per block."""
-  return config.num_decoder_layers // common_types.DECODER_LAYERS_PER_BLOCK.get(config.decoder_block, 1)
+  return common_types.num_blocks(config.decoder_block, config.num_decoder_layers)
 
 
 def logits_dot_dtype(cfg) -> str:
@@ -80,15 +80,19 @@ def logits_dot_dtype(cfg) -> str:
 
 
 @functools.cache
-def _scannable(block_cls):
-  """The block with nn.scan's (carry, out) signature; params keep the block's own names."""
+def _stacked(block_cls, scanned: bool):
+  """The block as the stack runs it: its input constrained to the activation sharding and named
+  decoder_layer_input (what remat keeps at least), and with nn.scan's (carry, out) signature when scanned.
+  Params keep the block's own names."""
 
-  class Scanned(block_cls):
+  class Stacked(block_cls):
     def __call__(self, x, *args):
-      return super().__call__(x, *args), None
+      x = nn.with_logical_constraint(x, ("activation_batch", "activation_length", "activation_embed"))
+      y = super().__call__(checkpoint_name(x, "decoder_layer_input"), *args)  # (B, T, E)
+      return (y, None) if scanned else y
 
-  Scanned.__name__ = block_cls.__name__
-  return Scanned
+  Stacked.__name__ = block_cls.__name__
+  return Stacked
 
 
 class Decoder(nn.Module):
@@ -96,18 +100,13 @@ class Decoder(nn.Module):
 
   config: object
   shared_embedding: nn.Module
-
-  @property
-  def quant(self):
-    return quantizations.from_config(self.config)
+  gemm: Gemm
 
   def _block_stack(self):
     cfg = self.config
-    block = DECODER_BLOCKS[cfg.decoder_block].layer
-    if cfg.scan_layers:
-      block = _scannable(block)
+    block = _stacked(DECODER_BLOCKS[cfg.decoder_block].layer, cfg.scan_layers)
     if cfg.remat_policy != "none":
-      # Args are (self, x, segment_ids, positions, deterministic): `deterministic` is a Python bool.
+      # Args are (self, x, positions, segment_ids, deterministic): `deterministic` is a Python bool.
       block = nn.remat(block, prevent_cse=not cfg.scan_layers, policy=REMAT_POLICIES[cfg.remat_policy], static_argnums=(4,))
     return block
 
@@ -125,6 +124,7 @@ class Decoder(nn.Module):
         dtype=cfg.dtype,
         weight_dtype=cfg.weight_dtype,
         use_iota=cfg.use_iota_embed,
+        attend_dtype=cfg.dtype,  # never attended
         name="position_embedder",
       )(positions)
     y = block_parts.dropout(cfg)(y, deterministic=deterministic)
@@ -138,13 +138,15 @@ class Decoder(nn.Module):
         length=num_blocks(cfg),
         metadata_params={nn.PARTITION_NAME: "layers"},
       )
-      tables = None if self.is_initializing() else quantizations.layer_tables(self.quant, self.variables["params"]["layers"])
+      tables = None
+      if not self.is_initializing():
+        tables = quantizations.layer_tables(self.gemm.quant, self.variables["params"]["layers"])
       if tables is not None:  # each layer's quantization recipe, which its dense modules switch on
         stack = nn.map_variables(stack, quantizations.TABLE_COLLECTION, trans_in_fn=lambda _: tables, init=False)
-      y, _ = stack(config=cfg, name="layers")(y, segment_ids, positions, deterministic)
+      y, _ = stack(config=cfg, gemm=self.gemm, name="layers")(y, positions, segment_ids, deterministic)
     else:
       for i in range(num_blocks(cfg)):
-        y = block(config=cfg, name=f"layers_{i}")(y, segment_ids, positions, deterministic)
+        y = block(config=cfg, gemm=self.gemm, name=f"layers_{i}")(y, positions, segment_ids, deterministic)
     y = family.final_norm(cfg, "decoder_norm")(y)
     y = block_parts.dropout(cfg)(y, deterministic=deterministic)
     if cfg.logits_via_embedding:
@@ -165,9 +167,16 @@ class Decoder(nn.Module):
 
 
 class Transformer(nn.Module):
-  """The decoder-only LM. Param tree: token_embedder/embedding, decoder/{layers or layers_i, decoder_norm, logits_dense}."""
+  """The decoder-only LM. Param tree: token_embedder/embedding, decoder/{layers or layers_i, decoder_norm, logits_dense}.
+
+  Attributes:
+    config: the run's Config.
+    gemm: how the decoder layers' dense layers multiply (train_state.create_model adds the numerics statistics'
+      tap); None: quantized as the config says, untapped.
+  """
 
   config: object
+  gemm: Gemm | None = None
 
   def setup(self):
     cfg = self.config
@@ -180,10 +189,12 @@ class Transformer(nn.Module):
       use_iota=cfg.use_iota_embed,
       name="token_embedder",
     )
-    self.decoder = Decoder(config=cfg, shared_embedding=self.token_embedder, name="decoder")
+    gemm = self.gemm or Gemm(quant=quantizations.from_config(cfg))
+    self.decoder = Decoder(config=cfg, shared_embedding=self.token_embedder, gemm=gemm, name="decoder")
 
-  def __call__(self, tokens, positions, segment_ids=None, enable_dropout: bool = False):
-    """Args: tokens, positions, segment_ids: (B, T) int arrays (segment_ids None = one segment per row)."""
+  def __call__(self, tokens, positions, segment_ids=None, deterministic: bool = True):
+    """tokens, positions, segment_ids: (B, T) int arrays (segment_ids None: one segment per row) -> (B, T, V) float32
+    logits. deterministic=False applies dropout (with a "dropout" rng)."""
     if segment_ids is None:
       segment_ids = jnp.ones_like(tokens)
-    return self.decoder(tokens, positions, segment_ids, deterministic=not enable_dropout)
+    return self.decoder(tokens, positions, segment_ids, deterministic)

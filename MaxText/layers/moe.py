@@ -200,10 +200,10 @@ class MoeBlock(nn.Module):
   num_experts: int
   num_experts_per_tok: int
   intermediate_dim: int
-  activations: Sequence[str] = ("silu", "linear")
-  capacity_factor: float = -1.0
-  dtype: str = "float32"
-  weight_dtype: str = "float32"
+  activations: Sequence[str]
+  capacity_factor: float
+  dtype: str
+  weight_dtype: str
 
   @nn.compact
   def __call__(self, x, segment_ids):

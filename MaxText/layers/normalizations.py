@@ -12,9 +12,9 @@ class RMSNorm(nn.Module):
   (Llama multiplies in the activation dtype), so the stored scale is the reference checkpoint's weight.
   """
 
-  epsilon: float = 1e-6
-  dtype: str = "float32"
-  weight_dtype: str = "float32"
+  epsilon: float
+  dtype: str
+  weight_dtype: str
   scale_plus_one: bool = False
 
   @nn.compact
@@ -31,9 +31,9 @@ class RMSNorm(nn.Module):
 class LayerNorm(nn.Module):
   """y = (x - mean(x)) / sqrt(var(x) + epsilon) * scale + bias (GPT), reduced in float32."""
 
-  epsilon: float = 1e-5
-  dtype: str = "float32"
-  weight_dtype: str = "float32"
+  epsilon: float
+  dtype: str
+  weight_dtype: str
 
   @nn.compact
   def __call__(self, x):

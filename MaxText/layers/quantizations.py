@@ -31,11 +31,12 @@ import jax.numpy as jnp
 from flax.linen import fp8_ops
 from jax import lax
 
-from MaxText.diagnostics import layer_names, numerics_config
+from MaxText import common_types
+from MaxText.layers import layer_names
 
 FP8_COLLECTION = "fp8_meta"
 TABLE_COLLECTION = "quantization"
-GEMMS = numerics_config.GEMMS  # fprop, dgrad, wgrad
+GEMMS = common_types.GEMMS  # fprop, dgrad, wgrad
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 # One fp8 dense layer's state, per operand: the delayed scale and the amax of the last steps.
 FP8_FORMATS = {"input": E4M3, "kernel": E4M3, "output_grad": E5M2}
@@ -75,13 +76,19 @@ def describe(mode: str, recipe: Recipe) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Quantization:
-  """The config's quantization, which every dense layer of the decoder layers reads (its `quant` field)."""
+  """The config's quantization, which every dense layer of the decoder layers reads (linears.Gemm.quant).
+
+  Attributes:
+    numerics: the run's parsed numerics debug YAML (config.numerics_debug), whose gemm_precision(name, gemm)
+      chooses each GEMM's recipe.
+    scanned_blocks: the scanned stack's length (0: unrolled layers).
+  """
 
   mode: str
-  fp8_current_scaling: bool = False
-  amax_history_length: int = 1024
-  numerics: numerics_config.NumericsDebugConfig = numerics_config.NumericsDebugConfig()
-  scanned_blocks: int = 0  # the scanned stack's length (0: unrolled layers)
+  fp8_current_scaling: bool
+  amax_history_length: int
+  numerics: object
+  scanned_blocks: int
 
   @property
   def fp8(self) -> bool:
@@ -127,15 +134,9 @@ def from_config(config) -> Quantization | None:
     mode=config.quantization,
     fp8_current_scaling=config.fp8_scaling == "current",
     amax_history_length=config.fp8_amax_history_length,
-    numerics=numerics_config.from_config(config),
-    scanned_blocks=config.num_decoder_layers // _layers_per_block(config) if config.scan_layers else 0,
+    numerics=config.numerics_debug,
+    scanned_blocks=common_types.num_blocks(config.decoder_block, config.num_decoder_layers) if config.scan_layers else 0,
   )
-
-
-def _layers_per_block(config) -> int:
-  from MaxText import common_types  # pylint: disable=import-outside-toplevel
-
-  return common_types.DECODER_LAYERS_PER_BLOCK.get(config.decoder_block, 1)
 
 
 def layer_tables(quant: Quantization | None, block_params) -> dict | None:
@@ -166,7 +167,7 @@ def layer_tables(quant: Quantization | None, block_params) -> dict | None:
 
 def _qwix_dot_general_qt():
   """qwix's quantized-training dot_general (per-GEMM types), imported only for int8: the other paths run without
-  qwix installed (hosts that carry their packages, see the README)."""
+  qwix installed (hosts that carry their packages: docs/setup.md)."""
   from qwix._src.core import dot_general_qt  # pylint: disable=import-outside-toplevel
 
   return dot_general_qt

@@ -1,7 +1,5 @@
 """Qwen3: the Llama layer with an RMSNorm over head_dim on each query and key head, before RoPE."""
 
-import flax.linen as nn
-
 from MaxText.layers import block_parts
 from MaxText.layers.llama2 import LlamaDecoderLayer
 
@@ -9,5 +7,6 @@ from MaxText.layers.llama2 import LlamaDecoderLayer
 class Qwen3DecoderLayer(LlamaDecoderLayer):
   """As Llama; attention has self_attention/query_norm and key_norm (scale [head_dim])."""
 
-  def attention(self) -> nn.Module:
-    return block_parts.self_attention(self.config, use_qk_norm=True)
+  def attention(self, x, positions, segment_ids, deterministic: bool):
+    attention = block_parts.self_attention(self.config, self.gemm, use_qk_norm=True)
+    return attention(x, positions, segment_ids, deterministic)

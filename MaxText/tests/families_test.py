@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from MaxText import layer_stacking, mesh, train_state, train_step
-from MaxText.layers import attentions, block_parts, embeddings, models, normalizations
+from MaxText.layers import attentions, block_parts, embeddings, linears, models, normalizations
 from MaxText.tests.helpers import tiny_config
 
 BATCH, LENGTH = 2, 16
@@ -270,7 +270,9 @@ def test_attention_mask_matches_loops(window):
 
 
 def test_llama3_rope_frequencies_match_transformers_formula():
-  scaling = embeddings.Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
+  scaling = embeddings.Llama3RopeScaling(
+    factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+  )
   got = embeddings.rope_inverse_frequencies(128, 1, 500_000, scaling)  # Llama 3.1 8B/70B/405B
   expected = _np_llama3_frequencies(128, 500_000, 8.0, 1.0, 4.0, 8192)
   np.testing.assert_allclose(got, expected, rtol=1e-6)
@@ -283,7 +285,7 @@ def test_llama3_rope_frequencies_match_transformers_formula():
 def test_rms_norm_matches_reference(plus_one):
   x = np.random.default_rng(0).normal(size=(2, 3, 16))
   scale = np.random.default_rng(1).normal(size=16)
-  norm = normalizations.RMSNorm(epsilon=1e-6, scale_plus_one=plus_one)
+  norm = normalizations.RMSNorm(epsilon=1e-6, dtype="float32", weight_dtype="float32", scale_plus_one=plus_one)
   got = norm.apply({"params": {"scale": jnp.asarray(scale, jnp.float32)}}, jnp.asarray(x, jnp.float32))
   np.testing.assert_allclose(got, _np_rms_norm(x, scale, 1e-6, plus_one), rtol=1e-5, atol=1e-5)
   init = nn.unbox(norm.init(jax.random.PRNGKey(0), jnp.ones((1, 16))))["params"]["scale"]
@@ -293,7 +295,7 @@ def test_rms_norm_matches_reference(plus_one):
 def test_layer_norm_matches_reference():
   rng = np.random.default_rng(0)
   x, scale, bias = rng.normal(size=(2, 3, 16)) + 2.0, rng.normal(size=16), rng.normal(size=16)
-  got = normalizations.LayerNorm(epsilon=1e-5).apply(
+  got = normalizations.LayerNorm(epsilon=1e-5, dtype="float32", weight_dtype="float32").apply(
     {"params": {"scale": jnp.asarray(scale, jnp.float32), "bias": jnp.asarray(bias, jnp.float32)}},
     jnp.asarray(x, jnp.float32),
   )
@@ -313,11 +315,11 @@ _ATTENTION_CASES = {
 def test_attention_options_match_reference(case):
   args, options, ref_options = _ATTENTION_CASES[case]
   cfg = tiny_config("attention=dot_product", *args)
-  attention = block_parts.self_attention(cfg, **options)
+  attention = block_parts.self_attention(cfg, linears.PLAIN, **options)
   x = jax.random.normal(jax.random.PRNGKey(0), (BATCH, LENGTH, cfg.emb_dim))
   _, positions, segments = _inputs()
-  params = _randomize(nn.unbox(attention.init(jax.random.PRNGKey(1), x, positions, segments))["params"])
-  got = jax.jit(attention.apply)({"params": params}, x, positions, segments)
+  params = _randomize(nn.unbox(attention.init(jax.random.PRNGKey(1), x, positions, segments, True))["params"])
+  got = jax.jit(attention.apply, static_argnums=4)({"params": params}, x, positions, segments, True)
   np_params = jax.tree.map(lambda a: np.asarray(a, F64), params)
   for row in range(BATCH):
     expected = _np_attention(

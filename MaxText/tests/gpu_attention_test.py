@@ -142,12 +142,33 @@ def test_transformer_engine_matches_dot_product_on_gpu():
 def _attention_layer_output(kernel: str, segment_ids, dtype=jnp.float32):
   """The Attention layer (projections, RoPE, the kernel, out) with attention_kernel=kernel, on fixed inputs."""
   from MaxText.layers.attentions import Attention  # pylint: disable=import-outside-toplevel
+  from MaxText.layers.linears import PLAIN  # pylint: disable=import-outside-toplevel
 
-  layer = Attention(NQ, NKV, D, attention_kernel=kernel, attention_segments="mask", dtype=dtype, query_scale=D**-0.5)
+  layer = Attention(
+    NQ,
+    NKV,
+    D,
+    attention_kernel=kernel,
+    attention_segments="mask",
+    rope_min_timescale=1,
+    rope_max_timescale=10_000,
+    rope_scaling=None,
+    query_scale=D**-0.5,
+    sliding_window=0,
+    logits_soft_cap=0.0,
+    norm_epsilon=1e-6,
+    fused_qkv=False,
+    cache_length=0,
+    quantize_kvcache=False,
+    kv_quant_axis="heads_and_dkv",
+    gemm=PLAIN,
+    dtype=dtype,
+    weight_dtype="float32",
+  )
   x = jax.random.normal(jax.random.PRNGKey(1), (B, T, 32), dtype)
   positions = jnp.broadcast_to(jnp.arange(T), (B, T))
-  variables = layer.init(jax.random.PRNGKey(2), x, positions, segment_ids)  # the same params for every kernel
-  return layer.apply(variables, x, positions, segment_ids)
+  variables = layer.init(jax.random.PRNGKey(2), x, positions, segment_ids, True)  # the same params for every kernel
+  return layer.apply(variables, x, positions, segment_ids, True)
 
 
 def test_attention_layer_runs_the_cudnn_call_with_its_segments(monkeypatch):

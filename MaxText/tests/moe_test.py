@@ -26,7 +26,7 @@ def _silu(x):
 
 
 def _block_and_params(capacity_factor=-1.0, shape=(2, 6)):
-  block = moe.MoeBlock(E, K, M, capacity_factor=capacity_factor)
+  block = moe.MoeBlock(E, K, M, ("silu", "linear"), capacity_factor, "float32", "float32")
   x = jax.random.normal(jax.random.PRNGKey(0), (*shape, D))
   variables = nn.unbox(block.init(jax.random.PRNGKey(1), x, jnp.ones(shape, jnp.int32)))
   params = jax.tree.map(lambda a: np.asarray(a, np.float64), variables["params"])
@@ -89,7 +89,7 @@ def test_capacity_factor_drops_exactly_the_reference_tokens():
   np.testing.assert_array_equal(kept, expected_kept)
   np.testing.assert_allclose(block.apply(variables, x, jnp.ones(x.shape[:2], jnp.int32)), expected, atol=1e-5)
   # A capacity that holds every choice is the dropless result.
-  roomy = moe.MoeBlock(E, K, M, capacity_factor=float(E))
+  roomy = moe.MoeBlock(E, K, M, ("silu", "linear"), float(E), "float32", "float32")
   np.testing.assert_allclose(
     roomy.apply(variables, x, jnp.ones(x.shape[:2], jnp.int32)), _reference(x, params)[0], atol=1e-5
   )

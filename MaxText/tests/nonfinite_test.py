@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from MaxText import mesh, sharding, train, train_state, train_step
-from MaxText.diagnostics import layer_names, nonfinite
+from MaxText.diagnostics import nonfinite
+from MaxText.layers import layer_names
 from MaxText.tests.helpers import run_train, tiny_config, token_batch
 
 NAN_PARAM = "decoder.layers.1.mlp.wi_0.kernel"

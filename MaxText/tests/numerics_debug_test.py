@@ -14,9 +14,9 @@ import pytest
 from jax import lax
 
 from MaxText import compiled_step_file, layer_stacking, mesh, sharding, train_state, train_step
-from MaxText.diagnostics import layer_names, numerics_config, numerics_log, numerics_stats, numerics_taps
+from MaxText.diagnostics import numerics_config, numerics_log, numerics_stats, numerics_taps
 from MaxText.errors import ConfigError
-from MaxText.layers import linears, models
+from MaxText.layers import layer_names, linears, models
 from MaxText.list_layers import layer_lines
 from MaxText.tests.helpers import TRAIN_PY, run_python, tiny_args, tiny_config, token_batch
 
@@ -352,7 +352,7 @@ def test_statistics_equal_those_of_the_same_tensors_outside_the_step(collected):
 
 def test_off_frequency_steps_compute_nothing_and_report_nothing(collected):
   config, metrics, _ = collected
-  numerics = numerics_config.from_config(config)
+  numerics = config.numerics_debug
   assert numerics.sections[0].stats[0].active(0) and not numerics.sections[0].stats[0].active(1)
   step1 = metrics[1][numerics_stats.METRICS_KEY]
   assert all(float(np.max(np.abs(v))) == 0.0 for v in jax.tree.leaves(step1))  # the lax.cond's off branch
@@ -397,7 +397,7 @@ def _compiled_hlo(config) -> str:
 
 def test_off_by_default_compiles_to_the_same_step_as_without_the_feature(monkeypatch):
   config = tiny_config()
-  assert config.numerics_debug_config == "" and config.numerics_debug == {}
+  assert config.numerics_debug_config == "" and not config.numerics_debug
   with_feature = _compiled_hlo(config)
   # Without the feature's code path (nor quantization's): the dense layers call lax.dot_general, the scan stacks
   # no `numerics` collection, and the step builds no statistics plan.

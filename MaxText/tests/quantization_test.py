@@ -19,6 +19,15 @@ from MaxText.layers import kv_cache, linears, quantizations
 from MaxText.tests import decode_test, kill_resume_test
 from MaxText.tests.helpers import read_metrics, tiny_config
 
+
+def _quantization(mode, numerics=None, scanned_blocks=0):
+  """A Quantization as from_config makes it with base.yml's fp8 keys; numerics None: no numerics YAML."""
+  from MaxText.diagnostics import numerics_config  # pylint: disable=import-outside-toplevel
+
+  numerics = numerics_config.NumericsDebugConfig() if numerics is None else numerics
+  return quantizations.Quantization(mode, False, 1024, numerics, scanned_blocks)
+
+
 DIMS = (((2,), (0,)), ((), ()))
 FIRST_LAYER_HIGH = """first_layer_high:
   enabled: true
@@ -52,7 +61,7 @@ ONE_GEMM_HIGH = [(False, True, True), (True, False, True), (True, True, False)]
 @pytest.mark.parametrize("mode, max_error", [("int8", 0.02), ("fp8", 0.1)])
 @pytest.mark.parametrize("low", [(True, True, True), (False, False, False), *ONE_GEMM_HIGH], ids=str)
 def test_a_gemm_in_high_precision_is_exactly_lax_dot_general(mode, max_error, low):
-  quant = quantizations.Quantization(mode)
+  quant = _quantization(mode)
   recipe = quantizations.Recipe(low=low, current=(True,) * 3 if mode == "fp8" else (False,) * 3)
   meta = {f"{t}_scale": jnp.ones(()) for t in quantizations.FP8_TENSORS}
   meta.update({f"{t}_amax_history": jnp.zeros(16) for t in quantizations.FP8_TENSORS})
@@ -67,10 +76,10 @@ def test_a_gemm_in_high_precision_is_exactly_lax_dot_general(mode, max_error, lo
 
 
 def test_int8w_quantizes_the_kernel_of_fprop_only():
-  recipe = quantizations.Quantization("int8w").recipe("decoder.layers.0.mlp.wo")
+  recipe = _quantization("int8w").recipe("decoder.layers.0.mlp.wo")
   assert recipe.low == (True, False, False)
   exact = _gemm_and_grads(lax.dot_general)
-  got = _gemm_and_grads(functools.partial(quantizations._gemm, quantizations.Quantization("int8w"), recipe, None))  # pylint: disable=protected-access
+  got = _gemm_and_grads(functools.partial(quantizations._gemm, _quantization("int8w"), recipe, None))  # pylint: disable=protected-access
   assert not np.array_equal(got[0], exact[0])
   np.testing.assert_array_equal(got[1], exact[1])
   np.testing.assert_array_equal(got[2], exact[2])
@@ -91,7 +100,7 @@ def test_the_yaml_selects_gemms_layers_and_scaling():
   }
   from MaxText.diagnostics import numerics_config  # pylint: disable=import-outside-toplevel
 
-  quant = quantizations.Quantization("fp8", numerics=numerics_config.parse(yaml, "test"), scanned_blocks=2)
+  quant = _quantization("fp8", numerics_config.parse(yaml, "test"), scanned_blocks=2)
   assert quant.recipe("decoder.layers.0.mlp.wo").low == (True, True, False)
   assert quant.recipe("decoder.layers.1.self_attention.query") == quantizations.Recipe(
     low=(True,) * 3, current=(True, False, False), margin=(2, 0, 0)
@@ -100,7 +109,7 @@ def test_the_yaml_selects_gemms_layers_and_scaling():
   assert quant.recipe("decoder.layers.0.MoeBlock_0.gate") == quantizations.HIGH  # nor is the MoE router
   distinct, indices = quant.layer_recipes(("decoder", "layers", "self_attention", "query"))
   assert len(distinct) == 2 and indices[0] != indices[1]
-  assert quantizations.Quantization("int8", numerics=quant.numerics).recipe("decoder.layers.1.self_attention.query") == (
+  assert _quantization("int8", quant.numerics).recipe("decoder.layers.1.self_attention.query") == (
     quantizations.Recipe(low=(True,) * 3)  # int8's scales are always current: no margin
   )
 
