@@ -1,17 +1,131 @@
-"""Compiles train.py's train step for a compile_topology target and judges it: memory verdict and roofline.
+"""Compiles the train step ahead of time, and judges it: for this host's devices (train.py's pre-flight, with the
+memory verdict and its advice), from a file that train_compile.py wrote (compiled_trainstep_file), or for a
+compile_topology target (memory verdict and roofline).
 
 The step, the state's shardings and the batch shapes are train.py's own (train_state.build and
-train_step.lower_train_step); only the devices differ: the target's, described by aot_targets.
+lower_train_step); for a target only the devices differ: the target's, described by aot_targets.
 """
 
 import dataclasses
+import functools
 import re
 import time
 
 import jax
+import jax.numpy as jnp
 
-from MaxText import aot_targets, common_types, flops, max_logging, memory_check, roofline, train_state, train_step
+from MaxText import (
+  aot_targets,
+  common_types,
+  compiled_step_file,
+  flops,
+  max_logging,
+  memory_check,
+  roofline,
+  sharding,
+  train_state,
+  train_step,
+)
+from MaxText.input_pipeline.packing import BATCH_KEYS
 from MaxText.mesh import create_device_mesh
+
+# --- this host's devices ---------------------------------------------------------------------------------------
+
+
+def abstract_batch(config, mesh) -> dict:
+  """One global train batch as jax.ShapeDtypeStructs on the data sharding: what every input pipeline yields."""
+  shape = (config.global_batch_size_to_load, config.max_target_length)
+  data_sharding = sharding.data_sharding(config, mesh)
+  return {key: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=data_sharding) for key in BATCH_KEYS}
+
+
+def lower_train_step(model, config, mesh, abstract_state):
+  """The jitted train step traced on shapes only (for train.py's pre-flight and train_compile.py's AOT compile).
+
+  Args:
+    model, config, mesh: as compile_train_step.
+    abstract_state: the TrainState of sharded jax.ShapeDtypeStructs; its shardings are the step's.
+
+  Returns:
+    A jax.stages.Lowered; `.compile()` compiles it for the mesh's devices (local, or an AOT target's).
+  """
+  state_shardings = jax.tree.map(lambda x: x.sharding, abstract_state)
+  with sharding.logical_context(mesh, config):
+    return train_step.jit_train_step(model, config, mesh, state_shardings).lower(
+      abstract_state, abstract_batch(config, mesh)
+    )
+
+
+def compile_train_step(model, config, mesh, abstract_state, memory_limit_bytes: int | None = None):
+  """The train step compiled ahead of time, after checking that one step fits a device's memory.
+
+  This is train.py's pre-flight check: it needs no allocated state or batch, so a model that cannot fit
+  stops before anything is allocated; the loop then calls the executable it returns, so nothing compiles twice.
+
+  Args:
+    model: the Transformer (train_state.build's model).
+    config: the Config.
+    mesh: the device mesh.
+    abstract_state: the TrainState of sharded jax.ShapeDtypeStructs (train_state.build's abstract_state).
+    memory_limit_bytes: one device's memory; default: what a local device has.
+
+  Returns:
+    The compiled step, called as compiled(state, batch) -> (new_state, metrics); it donates `state`.
+
+  Raises:
+    UserError: a step needs more memory per device than a device has; the message names the keys that help.
+  """
+  compiled = lower_train_step(model, config, mesh, abstract_state).compile()
+  memory = memory_check.CompiledMemory.from_analysis(compiled.memory_analysis())
+  if memory is not None:
+    device = jax.local_devices()[0]
+    limit = memory_check.device_memory_bytes(device) if memory_limit_bytes is None else memory_limit_bytes
+    memory_check.check_fits(
+      memory.peak_bytes,
+      limit,
+      what="one train step needs",
+      device_kind=device.device_kind,
+      breakdown=memory.breakdown(),
+      advice=_memory_advice(config, device.platform),
+    )
+    of_limit = f" of the {memory_check.format_bytes(limit)} a device has" if limit else ""
+    max_logging.log(
+      f"One train step needs {memory_check.format_bytes(memory.peak_bytes)} per device{of_limit} ({memory.breakdown()})"
+    )
+  return compiled
+
+
+def load_compiled_train_step(model, config, mesh, abstract_state):
+  """The step that train_compile.py compiled into config.compiled_trainstep_file, instead of compiling it here.
+
+  Raises:
+    UserError: the file is missing, or was compiled for other shapes, config values or devices (named).
+  """
+  step = functools.partial(train_step.train_step, model, config)
+  with sharding.logical_context(mesh, config):
+    compiled = compiled_step_file.load(
+      config.compiled_trainstep_file, config, jax.devices(), step, abstract_state, abstract_batch(config, mesh)
+    )
+  max_logging.log(f"Loaded the compiled train step from {config.compiled_trainstep_file}")
+  return compiled
+
+
+def _memory_advice(config, platform: str) -> str:
+  """The config keys that make a train step smaller, with their values now."""
+  keep_batch = "; raise gradient_accumulation_steps to keep the batch" if config.per_device_batch_size >= 2 else ""
+  hints = [
+    f"lower per_device_batch_size (now {config.per_device_batch_size:.10g}{keep_batch}) or max_target_length "
+    f"(now {config.max_target_length})"
+  ]
+  if config.remat_policy != "full":  # "full" keeps the fewest activations for the backward pass
+    hints.append(f"recompute activations with remat_policy=full (now {config.remat_policy})")
+  hints.append("shard over more devices (ici_fsdp_parallelism)")
+  cpu_sized = "; the README quickstart's keys fit a CPU" if platform == "cpu" else ""
+  hints.append(f"or use a smaller model (base_emb_dim, base_mlp_dim, base_num_decoder_layers, vocab_size{cpu_sized})")
+  return ", ".join(hints)
+
+
+# --- a compile_topology target ----------------------------------------------------------------------------------
 
 GIB = 2**30
 _SIZE = r"([\d.]+)([KMGT])"
@@ -137,7 +251,7 @@ def compile_for_target(config) -> Outcome:
 def _lowered(config, mesh):
   """train.py's model, state layout and step, traced for the mesh (the compiled step's verdict covers the state)."""
   setup = train_state.build(config, mesh, check_memory=False)
-  return setup, train_step.lower_train_step(setup.model, config, mesh, setup.abstract_state)
+  return setup, lower_train_step(setup.model, config, mesh, setup.abstract_state)
 
 
 def _step_cost(config, mesh, compiled) -> roofline.Cost | None:
@@ -145,7 +259,7 @@ def _step_cost(config, mesh, compiled) -> roofline.Cost | None:
   if not config.scan_layers:
     cost = roofline.Cost.of(compiled.cost_analysis())
     return cost * config.gradient_accumulation_steps if cost else None
-  block = common_types.DECODER_LAYERS_PER_BLOCK.get(config.decoder_block, 1)
+  block = common_types.layers_per_block(config.decoder_block)
   probes = []
   for blocks in (1, 2):
     probe = config.replace(scan_layers=False, num_decoder_layers=blocks * block)

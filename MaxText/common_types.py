@@ -9,9 +9,13 @@ DECODER_BLOCKS = ("default", "llama2", "mistral", "mixtral", "gemma", "gemma2", 
 DECODER_LAYERS_PER_BLOCK = {"gemma2": 2}
 
 
+def layers_per_block(decoder_block: str) -> int:
+  return DECODER_LAYERS_PER_BLOCK.get(decoder_block, 1)
+
+
 def num_blocks(decoder_block: str, num_decoder_layers: int) -> int:
   """The blocks of the decoder stack (scanned as decoder/layers, or unrolled as layers_0 .. layers_{n-1})."""
-  return num_decoder_layers // DECODER_LAYERS_PER_BLOCK.get(decoder_block, 1)
+  return num_decoder_layers // layers_per_block(decoder_block)
 
 
 ATTENTION_KERNELS = ("autoselected", "dot_product", "flash", "cudnn_flash_jax", "cudnn_flash_te")

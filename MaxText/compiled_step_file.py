@@ -95,7 +95,7 @@ def load(path: str, config, devices, train_step_fn, abstract_state, abstract_bat
     abstract_state, abstract_batch: the step's arguments as sharded jax.ShapeDtypeStructs.
 
   Returns:
-    A callable compiled(state, batch) -> (new_state, metrics), as train_step.compile_train_step returns.
+    A callable compiled(state, batch) -> (new_state, metrics), as aot_compile.compile_train_step returns.
 
   Raises:
     UserError: the file is missing or unreadable, or was compiled for other shapes, values or devices.

@@ -62,7 +62,7 @@ def _check_layer_options(v):
       f"fused_qkv=true needs base_num_query_heads={v['base_num_query_heads']} equal to "
       f"base_num_kv_heads={v['base_num_kv_heads']} (one kernel for query, key and value)"
     )
-  per_block = common_types.DECODER_LAYERS_PER_BLOCK.get(v["decoder_block"], 1)
+  per_block = common_types.layers_per_block(v["decoder_block"])
   if v["base_num_decoder_layers"] % per_block:
     raise ConfigError(
       f"base_num_decoder_layers={v['base_num_decoder_layers']} must be a multiple of {per_block} for "

@@ -46,7 +46,6 @@ class MetricLogger:
     self._last_tb_flush = time.time()
     self._recent_step_times = []
     self._steps_written = 0
-    self.data_exhausted = False  # set once a step had no real token on any process
     self.history = plots.History()  # the plotted values, for the end-of-run plot when there is no metrics file
     self._last_line = None  # (step, record, file offset) of the last metrics-file line, which an eval joins
     self._metrics_file = None
@@ -62,19 +61,23 @@ class MetricLogger:
     """Restarts the step clock (e.g. after a blocking checkpoint save or eval, which is not step time)."""
     self._last_completion = time.time()
 
-  def record(self, step: int, metrics) -> None:
-    """Buffers `metrics` (device arrays) of `step` and writes the previously buffered step."""
-    previous, self._pending = self._pending, (step, metrics)
-    if previous is not None:
-      self._write(*previous)
+  def record(self, step: int, metrics) -> dict | None:
+    """Buffers `metrics` (device arrays) of `step` and writes the previously buffered step.
 
-  def flush(self) -> None:
-    """Writes the buffered step now (end of training, before a checkpoint or eval)."""
+    Returns the written step's scalars on the host (None when none was buffered).
+    """
+    previous, self._pending = self._pending, (step, metrics)
+    return None if previous is None else self._write(*previous)
+
+  def flush(self) -> dict | None:
+    """Writes the buffered step now (end of training, before a checkpoint or eval); returns it as record does."""
+    written = None
     if self._pending is not None:
       pending, self._pending = self._pending, None
-      self._write(*pending)
+      written = self._write(*pending)
     if self.writer is not None:
       self.writer.flush()
+    return written
 
   def write_eval(self, step: int, metrics: dict) -> None:
     max_logging.log(
@@ -117,13 +120,12 @@ class MetricLogger:
       return None
     return float(np.median(self._recent_step_times)) * (self.config.steps - 1 - step)
 
-  def _write(self, step: int, device_metrics) -> None:
+  def _write(self, step: int, device_metrics) -> dict:
     host = jax.device_get(device_metrics)  # blocks on this step only
     nested = {k: host.pop(k) for k in [k for k, v in host.items() if isinstance(v, dict)]}
     host = {k: float(v) for k, v in host.items()}
     if host["learning/total_weights"] == 0:
-      self.data_exhausted = True  # all padding on every process: the data is used up, the step changed nothing
-      return
+      return host  # all padding on every process: the step changed nothing, and is not reported
     now = time.time()
     seconds = max(now - self._last_completion, 1e-9)
     self._last_completion = now
@@ -141,6 +143,7 @@ class MetricLogger:
       self._metrics_file.flush()
     for observer in self.observers:
       observer(step, host, nested)
+    return host
 
   def _log_line(self, step: int, m: dict) -> None:
     # grad_norm is the norm before clipping: the clipped one only repeats the threshold once clipping starts.

@@ -79,7 +79,9 @@ SECTIONS = {
       "Seconds for every process to join before an error naming the coordinator.", range=POSITIVE
     ),
     # Numerics
-    "numerics_debug_config": Key("YAML file selecting dense layers whose GEMM statistics are logged (README); empty: off."),
+    "numerics_debug_config": Key(
+      "YAML file selecting dense layers whose GEMM statistics are logged (docs/diagnostics.md); empty: off."
+    ),
     "nonfinite_action": Key(
       "A NaN/Inf in the loss or gradients: abort | skip (keep the state, warn) | none (no check).",
       choices=NONFINITE_ACTIONS,

@@ -105,4 +105,4 @@ class Family:
   @property
   def layers_per_block(self) -> int:
     """HF layers in one MaxText decoder block (Gemma 2 pairs a local and a global layer)."""
-    return common_types.DECODER_LAYERS_PER_BLOCK.get(self.decoder_block, 1)
+    return common_types.layers_per_block(self.decoder_block)

@@ -113,9 +113,17 @@ class Decoder(nn.Module):
   @nn.compact
   def __call__(self, tokens, positions, segment_ids, deterministic: bool):
     cfg = self.config
-    family = DECODER_BLOCKS[cfg.decoder_block]
-    y = self.shared_embedding(tokens)  # (B, T, E)
-    if family.scale_embedding:
+    y = self._embed(tokens, positions)  # (B, T, E)
+    y = block_parts.dropout(cfg)(y, deterministic=deterministic)
+    y = self._layers(y, positions, segment_ids, deterministic)
+    y = DECODER_BLOCKS[cfg.decoder_block].final_norm(cfg, "decoder_norm")(y)
+    y = block_parts.dropout(cfg)(y, deterministic=deterministic)
+    return self._logits(y)  # (B, T, V) float32
+
+  def _embed(self, tokens, positions):
+    cfg = self.config
+    y = self.shared_embedding(tokens)
+    if DECODER_BLOCKS[cfg.decoder_block].scale_embedding:
       y = y * jnp.asarray(cfg.emb_dim**0.5, y.dtype)  # rounded to the activation dtype, as the reference does
     if cfg.trainable_position_size > 0:
       y = y + Embed(
@@ -127,28 +135,34 @@ class Decoder(nn.Module):
         attend_dtype=cfg.dtype,  # never attended
         name="position_embedder",
       )(positions)
-    y = block_parts.dropout(cfg)(y, deterministic=deterministic)
+    return y
+
+  def _layers(self, y, positions, segment_ids, deterministic: bool):
+    """The blocks: scanned as decoder/layers (params stacked on param_scan_axis), or unrolled as layers_i."""
+    cfg = self.config
     block = self._block_stack()
-    if cfg.scan_layers:
-      stack = nn.scan(
-        block,
-        variable_axes={"params": cfg.param_scan_axis, **STACKED_COLLECTIONS},
-        split_rngs={"params": True, "dropout": True},
-        in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
-        length=num_blocks(cfg),
-        metadata_params={nn.PARTITION_NAME: "layers"},
-      )
-      tables = None
-      if not self.is_initializing():
-        tables = quantizations.layer_tables(self.gemm.quant, self.variables["params"]["layers"])
-      if tables is not None:  # each layer's quantization recipe, which its dense modules switch on
-        stack = nn.map_variables(stack, quantizations.TABLE_COLLECTION, trans_in_fn=lambda _: tables, init=False)
-      y, _ = stack(config=cfg, gemm=self.gemm, name="layers")(y, positions, segment_ids, deterministic)
-    else:
+    if not cfg.scan_layers:
       for i in range(num_blocks(cfg)):
         y = block(config=cfg, gemm=self.gemm, name=f"layers_{i}")(y, positions, segment_ids, deterministic)
-    y = family.final_norm(cfg, "decoder_norm")(y)
-    y = block_parts.dropout(cfg)(y, deterministic=deterministic)
+      return y
+    stack = nn.scan(
+      block,
+      variable_axes={"params": cfg.param_scan_axis, **STACKED_COLLECTIONS},
+      split_rngs={"params": True, "dropout": True},
+      in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+      length=num_blocks(cfg),
+      metadata_params={nn.PARTITION_NAME: "layers"},
+    )
+    tables = None
+    if not self.is_initializing():
+      tables = quantizations.layer_tables(self.gemm.quant, self.variables["params"]["layers"])
+    if tables is not None:  # each layer's quantization recipe, which its dense modules switch on
+      stack = nn.map_variables(stack, quantizations.TABLE_COLLECTION, trans_in_fn=lambda _: tables, init=False)
+    y, _ = stack(config=cfg, gemm=self.gemm, name="layers")(y, positions, segment_ids, deterministic)
+    return y
+
+  def _logits(self, y):
+    cfg = self.config
     if cfg.logits_via_embedding:
       logits = self.shared_embedding.attend(y)
       if cfg.normalize_embedding_logits:
@@ -160,7 +174,7 @@ class Decoder(nn.Module):
     logits = nn.with_logical_constraint(
       logits, ("activation_embed_and_logits_batch", "activation_length", "activation_vocab")
     )
-    logits = logits.astype(jnp.float32)  # (B, T, V)
+    logits = logits.astype(jnp.float32)
     if cfg.final_logits_soft_cap > 0:
       logits = soft_cap(logits, cfg.final_logits_soft_cap)
     return logits

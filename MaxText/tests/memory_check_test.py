@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from MaxText import memory_check, mesh, train_state, train_step
+from MaxText import aot_compile, memory_check, mesh, train_state
 from MaxText.errors import UserError
 from MaxText.tests.helpers import run_train, tiny_config
 
@@ -54,12 +54,12 @@ def test_the_train_step_preflight_names_the_numbers_and_the_keys():
   config = tiny_config("remat_policy=minimal")
   device_mesh = mesh.create_device_mesh(config)
   setup = train_state.build(config, device_mesh)
-  compiled = train_step.compile_train_step(setup.model, config, device_mesh, setup.abstract_state)
+  compiled = aot_compile.compile_train_step(setup.model, config, device_mesh, setup.abstract_state)
   peak = memory_check.CompiledMemory.from_analysis(compiled.memory_analysis()).peak_bytes
   assert peak > memory_check.bytes_per_device(setup.abstract_state)  # the step needs more than its arguments
-  train_step.compile_train_step(setup.model, config, device_mesh, setup.abstract_state, memory_limit_bytes=peak)
+  aot_compile.compile_train_step(setup.model, config, device_mesh, setup.abstract_state, memory_limit_bytes=peak)
   with pytest.raises(UserError) as error:
-    train_step.compile_train_step(setup.model, config, device_mesh, setup.abstract_state, memory_limit_bytes=peak - 1)
+    aot_compile.compile_train_step(setup.model, config, device_mesh, setup.abstract_state, memory_limit_bytes=peak - 1)
   message = str(error.value)
   assert message.startswith(f"one train step needs {memory_check.format_bytes(peak)} per device (")
   for hint in ("per_device_batch_size (now 2", "max_target_length (now 32)", "remat_policy=full (now minimal)"):

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import mesh, sharding, train, train_state, train_step
+from MaxText import aot_compile, mesh, sharding, step_loop, train_state
 from MaxText.diagnostics import nonfinite
 from MaxText.layers import layer_names
 from MaxText.tests.helpers import run_train, tiny_config, token_batch
@@ -31,7 +31,7 @@ def setup():
   config = tiny_config("nonfinite_action=abort")
   device_mesh = mesh.create_device_mesh(config)
   built = train_state.build(config, device_mesh)
-  step = train_step.compile_train_step(built.model, config, device_mesh, built.abstract_state)
+  step = aot_compile.compile_train_step(built.model, config, device_mesh, built.abstract_state)
 
   def poisoned_state():
     state = train_state.init_train_state(built.model, built.tx, config, device_mesh, built.state_shardings)
@@ -91,7 +91,7 @@ def test_the_loop_aborts_or_skips_naming_the_layer(setup, action, capsys):
   config, device_mesh, built, step, poisoned_state = setup
   config = config.replace(nonfinite_action=action, steps=3)  # abort and skip compile to the same step
   batches = iter([jax.device_put(token_batch(), sharding.data_sharding(config, device_mesh))] * 3)
-  run = lambda: train._run_steps(
+  run = lambda: step_loop.run_steps(
     config, device_mesh, built.model, poisoned_state(), built.state_shardings, step, batches, None
   )  # pylint: disable=protected-access,unnecessary-lambda-assignment
   if action == "abort":

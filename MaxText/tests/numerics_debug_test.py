@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from MaxText import compiled_step_file, layer_stacking, mesh, sharding, train_state, train_step
+from MaxText import aot_compile, compiled_step_file, layer_stacking, mesh, sharding, train_state, train_step
 from MaxText.diagnostics import numerics_config, numerics_log, numerics_stats, numerics_taps
 from MaxText.errors import ConfigError
 from MaxText.layers import layer_names, linears, models
@@ -268,7 +268,7 @@ def _reference(config, params, batch, module_path):
       return out
 
     with nn.intercept_methods(interceptor):
-      total, (weights, _) = train_step._loss_terms(model, config, params, batch, jax.random.PRNGKey(0), True)  # pylint: disable=protected-access
+      total, (weights, *_) = train_step.loss_fn(model, config, params, batch, jax.random.PRNGKey(0), True)
     return total / weights, dict(taken)
 
   output = jax.eval_shape(loss, 0.0)[1]["output"]
@@ -303,7 +303,7 @@ def _run_steps(config, steps: int):
   setup = train_state.build(config, device_mesh)
   state = train_state.init_train_state(setup.model, setup.tx, config, device_mesh, setup.state_shardings)
   params = jax.device_get(state.params)
-  step = train_step.compile_train_step(setup.model, config, device_mesh, setup.abstract_state)
+  step = aot_compile.compile_train_step(setup.model, config, device_mesh, setup.abstract_state)
   batch = jax.device_put(_batch(), sharding.data_sharding(config, device_mesh))
   metrics = []
   with sharding.logical_context(device_mesh, config):
@@ -390,7 +390,7 @@ def test_microbatches_combine_to_the_whole_batch_statistics():
 def _compiled_hlo(config) -> str:
   device_mesh = mesh.create_device_mesh(config)
   setup = train_state.build(config, device_mesh)
-  hlo = train_step.lower_train_step(setup.model, config, device_mesh, setup.abstract_state).compile().as_text()
+  hlo = aot_compile.lower_train_step(setup.model, config, device_mesh, setup.abstract_state).compile().as_text()
   hlo = re.sub(r", metadata=\{[^}]*\}", "", hlo)  # source lines
   return re.sub(r"(?m)^(FileNames|FunctionNames|FileLocations|StackFrames)\n(.+\n)*\n?", "", hlo)
 

@@ -13,7 +13,7 @@ import orbax.checkpoint as ocp
 import pytest
 from jax import lax
 
-from MaxText import mesh, sharding, train_state, train_step
+from MaxText import aot_compile, mesh, sharding, train_state
 from MaxText.errors import ConfigError
 from MaxText.layers import kv_cache, linears, quantizations
 from MaxText.tests import decode_test, kill_resume_test
@@ -157,7 +157,7 @@ def _train(*args, steps: int):
   device_mesh = mesh.create_device_mesh(config)
   setup = train_state.build(config, device_mesh)
   state = train_state.init_train_state(setup.model, setup.tx, config, device_mesh, setup.state_shardings)
-  step = train_step.compile_train_step(setup.model, config, device_mesh, setup.abstract_state)
+  step = aot_compile.compile_train_step(setup.model, config, device_mesh, setup.abstract_state)
   shape = (config.global_batch_size_to_load, config.max_target_length)
   tokens = np.random.default_rng(0).integers(1, 64, shape).astype(np.int32)
   positions = np.broadcast_to(np.arange(shape[1], dtype=np.int32), shape)

@@ -5,14 +5,14 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from MaxText import compile_events, train, train_step
+from MaxText import aot_compile, compile_events, train
 from MaxText.tests.helpers import tiny_config
 
 
 def _loop_compiles_after_first_step(tmp_path, monkeypatch, *args) -> str:
   """Runs train_loop on the tiny model and returns a description of what compiled after the first step ("")."""
   calls = []  # len(log) at the start of each step
-  compile_step = train_step.compile_train_step
+  compile_step = aot_compile.compile_train_step
 
   def recorded_compile(*a, **k):
     compiled = compile_step(*a, **k)
@@ -23,7 +23,7 @@ def _loop_compiles_after_first_step(tmp_path, monkeypatch, *args) -> str:
 
     return step
 
-  monkeypatch.setattr(train_step, "compile_train_step", recorded_compile)
+  monkeypatch.setattr(aot_compile, "compile_train_step", recorded_compile)
   config = tiny_config("steps=6", "checkpoint_period=2", "eval_interval=2", *args, tmp_path=tmp_path)
   with compile_events.recording() as log:
     train.train_loop(config)
@@ -38,7 +38,7 @@ def test_no_compilation_after_the_first_step(tmp_path, monkeypatch):
 
 def test_a_recompiling_loop_is_caught(tmp_path, monkeypatch):
   """The check can fail: a jitted function called with a new shape each step compiles every step."""
-  original = train_step.compile_train_step
+  original = aot_compile.compile_train_step
 
   def recompiling(*a, **k):
     compiled = original(*a, **k)
@@ -50,6 +50,6 @@ def test_a_recompiling_loop_is_caught(tmp_path, monkeypatch):
 
     return step
 
-  monkeypatch.setattr(train_step, "compile_train_step", recompiling)
+  monkeypatch.setattr(aot_compile, "compile_train_step", recompiling)
   with pytest.raises(AssertionError, match="compile events"):
     assert _loop_compiles_after_first_step(tmp_path, monkeypatch) == ""

@@ -25,7 +25,7 @@ def _saved_residuals(policy: str) -> str:
   params = jax.eval_shape(lambda: model.init(rngs, *inputs))["params"]
 
   def loss(p):
-    return train_step._loss_terms(model, config, p, batch, jax.random.PRNGKey(0), True)[0]  # pylint: disable=protected-access
+    return train_step.loss_fn(model, config, p, batch, jax.random.PRNGKey(0), True)[0]
 
   out = io.StringIO()
   with contextlib.redirect_stdout(out):

@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from MaxText import common_types, layer_stacking, mesh, optimizers, sharding, train_state, train_step
+from MaxText import aot_compile, common_types, layer_stacking, mesh, optimizers, sharding, train_state, train_step
 from MaxText.tests.helpers import tiny_config, token_batch
 
 
@@ -23,7 +23,7 @@ def _loss_and_grads(config, params, batch):
   model = train_state.create_model(config)
 
   def loss(p):
-    total, (weights, _) = train_step._loss_terms(model, config, p, batch, jax.random.PRNGKey(0), True)  # pylint: disable=protected-access
+    total, (weights, *_) = train_step.loss_fn(model, config, p, batch, jax.random.PRNGKey(0), True)
     return total / weights
 
   return jax.jit(jax.value_and_grad(loss))(params)
@@ -67,7 +67,7 @@ def _compiled_temp_bytes(*args):
   config = tiny_config(*args)
   device_mesh = mesh.create_device_mesh(config)
   setup = train_state.build(config, device_mesh)
-  compiled = train_step.compile_train_step(setup.model, config, device_mesh, setup.abstract_state)
+  compiled = aot_compile.compile_train_step(setup.model, config, device_mesh, setup.abstract_state)
   return compiled.memory_analysis().temp_size_in_bytes
 
 
@@ -91,7 +91,7 @@ def test_the_train_state_is_donated(compiled_ahead):
   state = train_state.init_train_state(setup.model, setup.tx, config, device_mesh, setup.state_shardings)
   batch = jax.device_put(_batch(2), sharding.data_sharding(config, device_mesh))
   if compiled_ahead:  # what train.py calls
-    step = train_step.compile_train_step(setup.model, config, device_mesh, setup.abstract_state)
+    step = aot_compile.compile_train_step(setup.model, config, device_mesh, setup.abstract_state)
   else:
     step = train_step.jit_train_step(setup.model, config, device_mesh, setup.state_shardings)
   with sharding.logical_context(device_mesh, config):

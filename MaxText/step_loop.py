@@ -1,0 +1,176 @@
+"""train.py's step loop: from the state's step to config.steps, with metrics, evals, checkpoints and the reasons to
+stop early (the data ran out, SIGTERM/SIGINT, the eval loss reached its target).
+
+A step reads top to bottom in StepLoop.run: the step and its metrics, the stop checks, an eval when due, a save
+when due. The metric logger reports the steps; this loop decides when training stops.
+"""
+
+from MaxText import checkpointing, evaluation, max_logging, metric_logger, sharding, train_step
+from MaxText.diagnostics import loop as diagnostics_loop
+from MaxText.diagnostics import nonfinite, numerics_log, plots
+from MaxText.errors import UserError
+
+
+def run_steps(config, mesh, model, state, state_shardings, p_train_step, data_iterator, manager):
+  """Trains from state.step to config.steps (or an early stop) and returns the last state.
+
+  Args:
+    config, mesh, model: the run's (train.py).
+    state: the restored or fresh train state, on state_shardings.
+    state_shardings: the state's shardings (the eval step takes the params on theirs).
+    p_train_step: the compiled step, called (state, batch) -> (new state, metrics); it donates `state`.
+    data_iterator: the train batches; checkpoints save its state.
+    manager: the Orbax checkpoint manager, or None when checkpointing is off.
+  """
+  return StepLoop(config, mesh, model, state, state_shardings, p_train_step, data_iterator, manager).run(state)
+
+
+class StepLoop:
+  """One run of the step loop."""
+
+  def __init__(self, config, mesh, model, state, state_shardings, p_train_step, data_iterator, manager):
+    self.config, self.mesh, self.data_iterator, self.manager = config, mesh, data_iterator, manager
+    self.p_train_step = p_train_step
+    self.p_eval_step = None
+    if config.eval_interval > 0:
+      self.p_eval_step = train_step.jit_eval_step(model, config, mesh, state_shardings)
+    self.start_step = int(state.step)
+    writer = metric_logger.create_tensorboard_writer(config)
+    observers = nonfinite.observers(config, state.params)
+    observers += numerics_log.observers(config, state.params, writer, self.start_step)
+    self.logger = metric_logger.MetricLogger(config, self.start_step, writer, observers)
+    self.watcher = checkpointing.PreemptionWatcher()
+    self.diagnostics = diagnostics_loop.LoopDiagnostics(config, self.start_step)
+    self.batch = None
+    self.in_step = False  # while True, the state is donated to the compiled step and must not be saved
+    self.out_of_data = False  # a step had no real token on any process
+    self.last_saved = None  # the step of this loop's last checkpoint
+
+  def run(self, state):
+    stop = None
+    try:
+      with sharding.logical_context(self.mesh, self.config):
+        for step in range(self.start_step, self.config.steps):
+          state = self._train_step(step, state)
+          stop = self._out_of_data_or_preempted(step)
+          if stop is None and self._eval_due(step):
+            stop = self._evaluate(step, state)
+          if self._save_due(step, stop):
+            stop = self._save(step, state, stop)
+          if stop:
+            break
+    except Exception as error:
+      # Eval, data, logging: an error outside the compiled step keeps what was trained since the last checkpoint.
+      # A non-finite step (nonfinite_action=abort) saves nothing: the last checkpoint is the last good state.
+      if self.manager is not None and not self.in_step and not isinstance(error, nonfinite.NonFiniteError):
+        self._save_before_exit(state, error)
+      raise
+    finally:
+      self.diagnostics.close()
+      self.logger.close()
+      self.watcher.close()
+    self._finish(state, stop)
+    return state
+
+  def _train_step(self, step: int, state):
+    with self.diagnostics.step(step, state):
+      if self.batch is None or not self.config.reuse_example_batch:
+        self.batch = next(self.data_iterator)
+      self.in_step = True
+      state, metrics = self.p_train_step(state, self.batch)
+      self.in_step = False
+    self._note(self.logger.record(step, metrics))
+    self.diagnostics.after_step(step, metrics)
+    return state
+
+  def _note(self, written: dict | None) -> None:
+    """Once every process is out of data, steps see only padding and change nothing (train_step)."""
+    if written is not None and written["learning/total_weights"] == 0:
+      self.out_of_data = True
+
+  def _used_up(self) -> str:
+    return f"the training data is used up (num_epoch={self.config.num_epoch})"
+
+  def _out_of_data_or_preempted(self, step: int) -> str | None:
+    if self.out_of_data:
+      return self._used_up()
+    if self.watcher.should_stop(step):
+      return f"received {self.watcher.signal_name}"
+    return None
+
+  def _eval_due(self, step: int) -> bool:
+    return self.p_eval_step is not None and (step + 1) % self.config.eval_interval == 0
+
+  def _evaluate(self, step: int, state) -> str | None:
+    """Evaluates the params after `step`; returns a stop reason when the eval loss reached target_eval_loss."""
+    self._note(self.logger.flush())
+    with self.diagnostics.activity("eval"):
+      metrics = evaluation.evaluate(self.config, self.mesh, self.p_eval_step, state.params)
+    self.logger.write_eval(step, metrics)
+    self.logger.reset_step_timer()
+    target = self.config.target_eval_loss
+    if target > 0 and metrics["eval/loss"] <= target:
+      return f"the eval loss reached target_eval_loss={target}"
+    return None
+
+  def _save_due(self, step: int, stop: str | None) -> bool:
+    last = step == self.config.steps - 1
+    return self.manager is not None and bool(stop or step % self.config.checkpoint_period == 0 or last)
+
+  def _save(self, step: int, state, stop: str | None) -> str | None:
+    """Saves the last step that updated the weights, unless the last save or the restore holds it already.
+
+    Returns the stop reason, which the step's metrics, written first, can add (the data ran out).
+    """
+    self._note(self.logger.flush())  # the step's metrics line is written before its checkpoint can commit
+    stop = stop or (self._used_up() if self.out_of_data else None)
+    last_step = int(state.step) - 1 if stop else step  # a stopped run's last step may have changed nothing
+    if last_step not in (self.last_saved, self.start_step - 1):
+      with self.diagnostics.activity("checkpoint save"):
+        blocked = checkpointing.save_checkpoint(self.manager, last_step, state, self.data_iterator)
+      self.last_saved = last_step
+      self.logger.reset_step_timer()
+      max_logging.log(f"Saving the checkpoint of step {last_step} (the loop waited {blocked:.3f} s)")
+    return stop
+
+  def _finish(self, state, stop: str | None) -> None:
+    if self.manager is not None:
+      self.manager.wait_until_finished()
+    plots.write_run_plot(self.config, self.logger.history)
+    if stop:
+      last_step = int(state.step) - 1  # the last step that updated the weights
+      max_logging.log(f"Stopping because {stop}: the last step is {last_step}; {self._saved_note()}.")
+    else:
+      board = f" TensorBoard: tensorboard --logdir={self.config.tensorboard_dir}" if self.config.enable_tensorboard else ""
+      max_logging.log(f"Training finished at step {self.config.steps - 1}.{board}")
+
+  def _saved_note(self) -> str:
+    if self.manager is None:
+      return "checkpointing is disabled"
+    if self.last_saved is None:
+      return "its checkpoint was already saved"
+    return f"saved the checkpoint of step {self.last_saved} to {self.config.checkpoint_dir}"
+
+  def _save_before_exit(self, state, error: Exception) -> None:
+    """Saves the state of the last completed step (unless already saved or restored) and waits for the write.
+
+    Never raises: the caller re-raises `error`, which is what the run reports.
+    """
+    step = None
+    try:
+      step = int(state.step) - 1  # the last step that updated the weights
+      if step in (self.last_saved, self.start_step - 1):
+        return
+      reason = " ".join(str(error).split())[:300] if isinstance(error, UserError) else f"{type(error).__name__}: {error}"
+      max_logging.log(f"Saving the checkpoint of step {step} before exiting because of an error: {reason}")
+      try:
+        self.logger.flush()  # the step's metrics line before its checkpoint, as for every save
+      except Exception:  # pylint: disable=broad-except  # logging may be what failed; the checkpoint matters more
+        pass
+      checkpointing.save_checkpoint(self.manager, step, state, self.data_iterator)
+      self.manager.wait_until_finished()
+      max_logging.log(f"Saved the checkpoint of step {step} to {self.manager.directory}")
+    except Exception as save_error:  # pylint: disable=broad-except
+      max_logging.warn(
+        f"could not save the checkpoint of step {step} before exiting: {type(save_error).__name__}: {save_error}"
+      )
