@@ -10,6 +10,7 @@ import re
 
 import yaml
 
+from MaxText import max_logging
 from MaxText.errors import ConfigError
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -219,7 +220,11 @@ def coerce_value(key: str, value, default, where: str | None = None):
 
 
 def parse_cli(args: list[str]) -> dict[str, str]:
-  """Parses `key=value` arguments (after the config path)."""
+  """Parses `key=value` arguments (after the config path).
+
+  A key given twice takes its last value, as upstream MaxText's scripts expect; two different values are warned
+  about (the same value twice is not).
+  """
   overrides = {}
   for arg in args:
     if "=" not in arg:
@@ -228,8 +233,9 @@ def parse_cli(args: list[str]) -> dict[str, str]:
     key = key.strip()
     if key.startswith("--"):
       raise ConfigError(f"argument '{arg}': write overrides as {key[2:]}=value, without leading dashes")
-    if key in overrides:
-      raise ConfigError(f"key '{key}' is given twice on the command line ({key}={overrides[key]} and {arg})")
+    if key in overrides and overrides[key] != value:
+      max_logging.warn(f"'{key}' is given twice on the command line ({key}={overrides.pop(key)} and {arg}): the last wins")
+    overrides.pop(key, None)  # the last one's place, for the order in which the values are applied
     overrides[key] = value
   return overrides
 

@@ -155,9 +155,9 @@ def _check_data(v):
 
 def _check_decoding(v):
   strategy = v["decode_sampling_strategy"]
-  if strategy == "nucleus" and not 0 < v["decode_sampling_nucleus_p"] <= 1:
+  if strategy == "nucleus" and not 0 <= v["decode_sampling_nucleus_p"] <= 1:  # 0: the top token only, as upstream
     raise ConfigError(
-      f"decode_sampling_nucleus_p={v['decode_sampling_nucleus_p']} must be in (0, 1] for decode_sampling_strategy=nucleus"
+      f"decode_sampling_nucleus_p={v['decode_sampling_nucleus_p']} must be in [0, 1] for decode_sampling_strategy=nucleus"
     )
   if strategy == "topk" and not 1 <= v["decode_sampling_top_k"] <= v["vocab_size"]:
     raise ConfigError(

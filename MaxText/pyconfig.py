@@ -160,11 +160,43 @@ def _warn_unused_companions(values, sources):
       max_logging.warn(f"{', '.join(given)}: act only with {switch}; ignored in this run")
 
 
+# The keys that only one dataset_type reads: setting one with dataset_type left at its default chooses that type.
+_DATASET_KEYS = {
+  "dataset_path": "tfds",
+  "grain_train_files": "grain",
+  "grain_eval_files": "grain",
+  "hf_path": "hf",
+  "hf_train_files": "hf",
+  "hf_eval_files": "hf",
+  "hf_data_dir": "hf",
+}
+
+
+def _dataset_type_from_its_keys(values, sources):
+  """Upstream's default dataset_type is tfds, ours the embedded corpus: a config that names a dataset_path (as
+  upstream's scripts do) without dataset_type must not train on the built-in text. With dataset_type left at its
+  default, the keys of one other type choose it (one line says so); keys of two types at once are an error."""
+  if sources["dataset_type"] != config_loader.display_path(config_loader.BASE_YML):
+    return  # chosen by the user
+  chosen = {}
+  for key, dataset_type in _DATASET_KEYS.items():
+    if values[key]:
+      chosen.setdefault(dataset_type, key)
+  if len(chosen) > 1:
+    named = " and ".join(f"{key} (dataset_type={t})" for t, key in chosen.items())
+    raise ConfigError(f"{named} are both set: set dataset_type to the one to read, and leave the other's keys empty")
+  if chosen:
+    [(dataset_type, key)] = chosen.items()
+    _set(values, sources, "dataset_type", dataset_type)
+    max_logging.log(f"Using dataset_type={dataset_type}, because {key} is set (dataset_type was left at its default)")
+
+
 def _derive_static(values, sources, environ):
   if not values["run_name"] and environ.get("JOBSET_NAME"):
     values["run_name"], sources["run_name"] = environ["JOBSET_NAME"], f"{config_loader.SOURCE_ENV} JOBSET_NAME"
     config_validation.check_run_name(values["run_name"], origin="JOBSET_NAME")
   _scaled_dims(values, sources)
+  _dataset_type_from_its_keys(values, sources)
   _numerics_debug(values, sources)
   _warn_unused_companions(values, sources)
   out = str(values["base_output_directory"])

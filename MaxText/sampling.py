@@ -17,7 +17,7 @@ def nucleus_logits(logits, p: float):
 
   Args:
     logits: (B, V) float32.
-    p: in (0, 1].
+    p: in [0, 1]; 0 keeps the most likely token only (as upstream MaxText).
   """
   sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]  # (B, V), descending
   cumulative = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)

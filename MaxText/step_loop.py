@@ -114,7 +114,7 @@ class StepLoop:
     return None
 
   def _save_due(self, step: int, stop: str | None) -> bool:
-    last = step == self.config.steps - 1
+    last = step == self.config.steps - 1 and self.config.save_checkpoint_on_completion
     return self.manager is not None and bool(stop or step % self.config.checkpoint_period == 0 or last)
 
   def _save(self, step: int, state, stop: str | None) -> str | None:

@@ -16,7 +16,9 @@ SECTIONS = {
     "decode_sampling_temperature": Key(
       "Divides the logits before weighted, nucleus or topk sampling.", range=Range(0, low_open=True)
     ),
-    "decode_sampling_nucleus_p": Key("nucleus: sample among the most likely tokens holding this probability, in (0, 1]."),
+    "decode_sampling_nucleus_p": Key(
+      "nucleus: sample among the most likely tokens holding this probability, in [0, 1] (0: the top token only)."
+    ),
     "decode_sampling_top_k": Key("topk: sample among the k most likely tokens, 1 <= k <= vocab_size."),
     "decode_sampling_seed": Key("PRNG seed of the sampling."),
   },

@@ -43,6 +43,19 @@ def test_raising_steps_continues_exactly_where_it_stopped(tmp_path, reference):
   assert _losses(metrics) == _losses(ref)  # bitwise
 
 
+@pytest.mark.slow
+def test_upstream_checkpointing_flow_without_a_save_on_completion(tmp_path):
+  """Upstream's test_checkpointing.sh: the same 5-step command twice; the second restores step 3 and trains step 4."""
+  args = ("steps=5", "checkpoint_period=3", "save_checkpoint_on_completion=false")
+  _, first = run_train(tmp_path, "upstream", *args, metrics_name="first")
+  assert sorted(os.listdir(tmp_path / "upstream" / "checkpoints")) == ["0", "3"]
+  result, second = run_train(tmp_path, "upstream", *args, metrics_name="second")
+  _ok(result)
+  assert "Restored the checkpoint of step 3" in result.stdout
+  assert [m["step"] for m in second] == [4]
+  assert _losses(second) == _losses(first)[4:]  # bitwise
+
+
 def test_a_finished_run_says_so_and_exits_zero(tmp_path):
   _ok(run_train(tmp_path, "done", "steps=3")[0])
   result, metrics = run_train(tmp_path, "done", "steps=3")

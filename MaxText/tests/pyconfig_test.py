@@ -7,7 +7,7 @@ import yaml
 
 from MaxText import config_loader, pyconfig
 from MaxText.errors import ConfigError
-from MaxText.tests.helpers import BASE_YML, tiny_config
+from MaxText.tests.helpers import BASE_YML, tiny_args, tiny_config
 
 
 def test_cli_values_are_typed_by_the_base_default():
@@ -274,3 +274,28 @@ def test_hardware_that_this_host_lacks_is_a_config_error(hardware):
   wanted = "tpu" if hardware == "tpu" else "gpu"
   with pytest.raises(ConfigError, match=f"hardware={hardware} but JAX finds cpu devices on this host: .*DEVICE={wanted}"):
     tiny_config(f"hardware={hardware}")
+
+
+def test_a_key_given_twice_on_the_command_line_takes_the_last_value_as_upstream(capsys):
+  """Upstream's scripts give model_name and per_device_batch_size twice: the last wins, a change is warned about."""
+
+  def config(*args):
+    return pyconfig.initialize(["test", BASE_YML, "run_name=test", *tiny_args(), *args], environ={})
+
+  assert config("steps=3", "steps=3").steps == 3
+  assert "given twice" not in capsys.readouterr().err  # the same value twice: nothing to say
+  assert config("steps=3", "steps=5").steps == 5
+  warnings = [line for line in capsys.readouterr().err.splitlines() if "given twice" in line]
+  assert warnings == ["WARNING: 'steps' is given twice on the command line (steps=3 and steps=5): the last wins"]
+
+
+def test_dataset_keys_choose_the_dataset_type_left_at_its_default(tmp_path, capsys):
+  """Upstream's default dataset_type is tfds: dataset_path without dataset_type must not train on the embedded text."""
+  assert tiny_config(f"dataset_path={tmp_path}").dataset_type == "tfds"
+  assert "Using dataset_type=tfds, because dataset_path is set" in capsys.readouterr().out
+  assert tiny_config(f"hf_train_files={tmp_path}/*.jsonl", "hf_path=json").dataset_type == "hf"
+  assert tiny_config(f"grain_train_files={tmp_path}/*.arrayrecord").dataset_type == "grain"
+  assert tiny_config().dataset_type == "embedded"
+  assert tiny_config("dataset_type=embedded", f"dataset_path={tmp_path}").dataset_type == "embedded"  # chosen
+  with pytest.raises(ConfigError, match=r"dataset_path \(dataset_type=tfds\) and hf_path \(dataset_type=hf\) are both set"):
+    tiny_config(f"dataset_path={tmp_path}", "hf_path=json")

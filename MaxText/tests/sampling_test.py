@@ -66,6 +66,12 @@ def test_topk_never_leaves_the_top_k_and_renormalises(k):
     np.testing.assert_allclose(_frequencies(draws, logits.shape[-1])[b], expected, atol=0.03)
 
 
+def test_nucleus_with_p_0_keeps_the_top_token_only_as_upstream():
+  logits = _logits()
+  draws = _draws(logits, "nucleus", nucleus_p=0.0)
+  assert (draws == np.argmax(np.asarray(logits), -1)[None, :]).all()
+
+
 @pytest.mark.parametrize("p", [0.3, 0.6, 0.9])
 def test_nucleus_keeps_the_smallest_set_reaching_p(p):
   logits = _logits()
