@@ -23,7 +23,9 @@ SECTIONS = {
     "force_unroll": Key("generate_param_only_checkpoint.py: write per-layer params (layers_i) from scanned ones."),
   },
   "Optimizer": {
-    "opt_type": Key("The optimizer (with global-norm clipping).", choices=OPTIMIZERS),
+    "opt_type": Key(
+      "The optimizer, after global-norm clipping: adamw | adam_pax (Pax's Adam, upstream's gpt3) | sgd.", choices=OPTIMIZERS
+    ),
     "adam_b1": Key("Adam's first-moment decay.", range=_DECAY),
     "adam_b2": Key("Adam's second-moment decay.", range=_DECAY),
     "adam_eps": Key("Added to the root of the second moment.", range=NON_NEGATIVE),
