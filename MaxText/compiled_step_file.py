@@ -29,7 +29,7 @@ _OUTSIDE_THE_STEP = {
   "add_eos", "packing", "num_epoch", "enable_data_shuffling", "data_shuffle_seed", "reuse_example_batch",
   "train_data_column", "eval_data_column", "tokenize_train_data", "tokenize_eval_data", "dataset_path",
   "dataset_name", "eval_dataset_name", "train_split", "eval_split", "grain_train_files", "grain_eval_files",
-  "grain_worker_count", "hf_path", "hf_data_dir", "hf_train_files", "hf_eval_files", "hf_eval_split",
+  "grain_worker_count", "hf_path", "hf_data_dir", "hf_train_files", "hf_eval_files", "hf_eval_split", "hf_access_token",
   "eval_interval", "eval_steps", "eval_per_device_batch_size", "target_eval_loss", "global_batch_size_to_load_eval",
   "compile_topology", "compile_topology_num_slices", "compiled_trainstep_file", "compile_search",
   "numerics_debug_config",  # the file's content is in the derived key numerics_debug, which is in the signature

@@ -12,7 +12,7 @@ import sys
 import yaml
 
 from MaxText import config_loader
-from MaxText.config_keys import Key, On, data, mesh, model, run, tools, training
+from MaxText.config_keys import Key, On, data, mesh, model, run, tools, training, upstream
 
 SECTIONS: dict[str, dict[str, Key]] = {
   **run.SECTIONS,
@@ -21,6 +21,7 @@ SECTIONS: dict[str, dict[str, Key]] = {
   **training.SECTIONS,
   **data.SECTIONS,
   **tools.SECTIONS,
+  **upstream.SECTIONS,
 }
 KEYS: dict[str, Key] = {name: key for keys in SECTIONS.values() for name, key in keys.items()}
 
@@ -76,6 +77,7 @@ def format_help() -> str:
       facts = [f"{name}: {kind(name, defaults[name])} = {_show_default(defaults[name])}"]
       facts.append(_constraint(name, key, defaults[name]))
       facts.append(f"acts only with {key.acts_with}" if key.acts_with else "")
+      facts.append("upstream's default only" if key.refused else "")
       lines += ["  " + "; ".join(fact for fact in facts if fact), f"      {key.help}"]
   return "\n".join(lines) + "\n"
 

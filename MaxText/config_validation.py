@@ -4,7 +4,7 @@ The choices and ranges of single keys are those of config_schema; the functions 
 cannot say (a power of 2, an even number) and those between keys.
 """
 
-from MaxText import common_types, config_schema
+from MaxText import common_types, config_loader, config_schema
 from MaxText.errors import ConfigError
 
 
@@ -12,6 +12,15 @@ def _check_choices(v):
   for key, entry in config_schema.KEYS.items():
     if entry.choices and not isinstance(v[key], (list, tuple)) and v[key] not in entry.choices:
       raise ConfigError(f"{key}={v[key]} is not valid; choose one of: {entry.describe_choices()}")
+
+
+def _check_upstream_defaults(v):
+  """Upstream MaxText's keys for features that do not apply here: their default loads, another value is refused."""
+  defaults = config_loader.base_defaults()
+  for key, entry in config_schema.KEYS.items():
+    if entry.refused and v[key] != defaults[key]:
+      value = str(v[key]).lower() if isinstance(v[key], bool) else v[key]
+      raise ConfigError(f"{key}={value}: {entry.refused}")
 
 
 def _check_ranges(v):
@@ -130,8 +139,8 @@ def check_run_name(name: str, origin: str = "") -> None:
 
 def _check_paths(v):
   check_run_name(v["run_name"])
-  if not str(v["base_output_directory"]).strip():
-    raise ConfigError("base_output_directory is empty; give a local directory or a gs:// path")
+  if str(v["base_output_directory"]) != str(v["base_output_directory"]).strip():
+    raise ConfigError(f"base_output_directory='{v['base_output_directory']}' has leading or trailing spaces")
   if v["load_parameters_path"] and v["load_full_state_path"]:
     raise ConfigError("load_parameters_path and load_full_state_path are both set; give at most one")
 
@@ -185,6 +194,7 @@ def _check_diagnostics(v):
 
 def validate_static(values: dict) -> None:
   """Raises ConfigError for the first invalid value. Needs no devices and no JAX."""
+  _check_upstream_defaults(values)
   _check_choices(values)
   _check_ranges(values)
   _check_numbers(values)

@@ -67,10 +67,15 @@ class Config:
     lines = []
     for key in sorted(self._values):
       value = _plain(self._values[key])
+      if key in _SECRET_KEYS and value:
+        value = "<set, not shown>"  # the resolved config goes to logs and the run directory
       text = yaml.safe_dump({key: value}, default_flow_style=True, width=10_000).strip()
       text = text[1:-1] if text.startswith("{") else text
       lines.append(f"{text}  # {self.source(key)}")
     return "\n".join(lines) + "\n"
+
+
+_SECRET_KEYS = ("hf_access_token",)
 
 
 def _plain(value):
@@ -191,6 +196,26 @@ def _dataset_type_from_its_keys(values, sources):
     max_logging.log(f"Using dataset_type={dataset_type}, because {key} is set (dataset_type was left at its default)")
 
 
+def _default_axes_within_mesh_axes(values, sources):
+  """A mesh_axes without some of base.yml's axes (upstream's has no `expert`): data_sharding and logical_axis_rules,
+  where left at their defaults, name only the axes it has. Rules that the user wrote are checked as written."""
+  base = config_loader.display_path(config_loader.BASE_YML)
+  axes = set(values["mesh_axes"]) if isinstance(values["mesh_axes"], list) else None
+  if axes is None or sources["mesh_axes"] == base:
+    return
+  if sources["data_sharding"] == base:
+    values["data_sharding"] = [[a for a in group if a in axes] for group in values["data_sharding"]]
+  if sources["logical_axis_rules"] == base:
+    rules = []
+    for name, mapped in values["logical_axis_rules"]:
+      if isinstance(mapped, list):
+        mapped = [a for a in mapped if a in axes] or None
+      elif mapped not in axes:
+        mapped = None  # replicated
+      rules.append([name, mapped])
+    values["logical_axis_rules"] = rules
+
+
 def _derive_static(values, sources, environ):
   if not values["run_name"] and environ.get("JOBSET_NAME"):
     values["run_name"], sources["run_name"] = environ["JOBSET_NAME"], f"{config_loader.SOURCE_ENV} JOBSET_NAME"
@@ -199,7 +224,7 @@ def _derive_static(values, sources, environ):
   _dataset_type_from_its_keys(values, sources)
   _numerics_debug(values, sources)
   _warn_unused_companions(values, sources)
-  out = str(values["base_output_directory"])
+  out = str(values["base_output_directory"]) or "."  # upstream's default "": the current directory
   if not _is_remote(out):
     _normalise(values, "base_output_directory", os.path.abspath(os.path.expanduser(out)))
   run_dir = os.path.join(values["base_output_directory"], values["run_name"]) if values["run_name"] else ""
@@ -288,8 +313,11 @@ def _derive_device_values(values, sources, devices):
   from MaxText.mesh import count_slices  # pylint: disable=import-outside-toplevel  # (imports jax)
 
   num_slices = count_slices(devices)
+  if values["num_slices"] not in (-1, num_slices):  # upstream's key: accepted where it matches
+    raise ConfigError(f"num_slices={values['num_slices']}, but the devices form {num_slices} slice(s); leave it at -1")
   num_devices = len(devices)
-  _set(values, sources, "num_slices", num_slices)
+  if values["num_slices"] != num_slices:
+    _set(values, sources, "num_slices", num_slices)
   _set(values, sources, "num_devices", num_devices)
   if num_slices == 1:
     _check_no_dcn_parallelism(values)
@@ -363,6 +391,7 @@ def load_static(argv: list[str], environ, **kwargs) -> tuple[dict, dict]:
   The first half of initialize, for tools that check a config before they start a process that uses it.
   """
   values, sources = config_loader.load_raw_config(argv, environ, kwargs)
+  _default_axes_within_mesh_axes(values, sources)
   config_validation.validate_static(values)
   _derive_static(values, sources, environ)
   return values, sources

@@ -82,6 +82,8 @@ class Key:
     range: the numbers it takes.
     acts_with: the switch without which it has no effect (setting it with the switch off is warned about).
     kind: its type where base.yml's default (null) cannot give it; otherwise the default's type is the key's.
+    refused: for an upstream MaxText key accepted only at its default: why another value does not apply here, and
+      what to use instead (the error line).
   """
 
   help: str
@@ -89,6 +91,7 @@ class Key:
   range: Range | None = None
   acts_with: On | None = None
   kind: str = ""
+  refused: str = ""
 
   def describe_choices(self) -> str:
     return ", ".join('"" (none)' if c == "" else str(c) for c in self.choices)

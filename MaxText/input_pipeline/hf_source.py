@@ -38,7 +38,12 @@ def load(config, train: bool):
     files, split = None, config.hf_eval_split
   try:
     return datasets.load_dataset(
-      config.hf_path, data_dir=config.hf_data_dir or None, data_files=files, split=split, streaming=True
+      config.hf_path,
+      data_dir=config.hf_data_dir or None,
+      data_files=files,
+      split=split,
+      streaming=True,
+      token=config.hf_access_token or None,  # None: the HF_TOKEN environment or the cached login, if any
     )
   except Exception as e:  # pylint: disable=broad-except  # datasets raises many kinds for bad paths and splits
     raise UserError(f"hf_path={config.hf_path}: {type(e).__name__}: {str(e).splitlines()[0][:300]}") from None

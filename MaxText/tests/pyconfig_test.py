@@ -193,7 +193,7 @@ def _cli_text(value) -> str:
 def test_every_key_set_on_the_command_line_keeps_that_source():
   # Values that pyconfig fills in (auto, autoselected, -1) are derived; every other value the user gives
   # keeps its source even when pyconfig normalises it (tuples, absolute paths, ~ expanded).
-  filled = {"hardware": "cpu", "attention": "dot_product", "learning_rate_schedule_steps": 10, "steps": 10}
+  filled = {"hardware": "cpu", "attention": "dot_product", "learning_rate_schedule_steps": 10, "steps": 10, "num_slices": 1}
   args = [f"{key}={_cli_text(filled.get(key, default))}" for key, default in config_loader.base_defaults().items()]
   c = pyconfig.initialize(["t", BASE_YML, *args], environ={})
   wrong = {key: c.source(key) for key in config_loader.base_defaults() if c.source(key) != "command line"}

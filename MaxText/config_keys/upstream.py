@@ -1,0 +1,112 @@
+"""Keys of upstream MaxText's base.yml (mid 2024) that run differently here or not at all.
+
+Each is accepted at upstream's default, so that upstream's configs and scripts load; `refused` is the one line that
+a user who sets another value reads: why it does not apply here, and what to use instead.
+"""
+
+from MaxText.config_keys import Key, Range
+
+_CACHE_LAYOUT = (
+  "the attention and KV cache layouts are fixed here (batch, sequence, heads, head_dim); their sharding follows "
+  "logical_axis_rules"
+)
+_PIPELINE = "pipeline parallelism is not implemented yet (ici_pipeline_parallelism and dcn_pipeline_parallelism are 1)"
+_SERVING_CHECKPOINTS = (
+  "quantized serving checkpoints and quantization=intmp are not implemented yet; quantization=int8 trains and "
+  "decodes with int8 GEMMs from float params (docs/low_precision.md)"
+)
+_OPERATIONS = "is not implemented yet (emergency checkpoints, goodput, the on-demand profiler and checkpoint loggers)"
+_JETSTREAM = "is for JetStream serving (MaxEngine), which this project does not ship; decode.py generates from a checkpoint"
+_MICROBENCHMARK = (
+  "inference_microbenchmark.py is not implemented yet; benchmarks/decode_benchmark.py times prefill and decode"
+)
+
+
+def _operations(feature: str) -> Key:
+  return Key(f"Upstream's {feature}; not implemented here.", refused=f"{feature} {_OPERATIONS}")
+
+
+SECTIONS = {
+  "Upstream MaxText keys": {
+    "megablox": Key(
+      "Upstream's Pallas grouped matmul for MoE; here the dropless MoE always runs jax.lax.ragged_dot.",
+      refused="the dropless MoE always runs a grouped matmul (jax.lax.ragged_dot); capacity_factor > 0 gives the "
+      "dispatch with a fixed capacity instead",
+    ),
+    "use_untrainable_positional_embedding": Key(
+      "Upstream's sinusoidal positions; not implemented.",
+      refused="sinusoidal positions are not implemented; positions come from RoPE, or from a learned table "
+      "(trainable_position_size)",
+    ),
+    "record_internal_nn_metrics": Key(
+      "Upstream's per-layer activation statistics; see numerics_debug_config.",
+      refused="use numerics_debug_config: its statistics (mean, std, norms, amax, ...) of every dense layer's "
+      "activations, weights and gradients (docs/diagnostics.md)",
+    ),
+    "attention_type": Key(
+      "Upstream's per-layer attention kind; sliding windows are set by sliding_window_size.",
+      refused="sliding windows are set by sliding_window_size (Mistral, and Gemma 2's local layers)",
+    ),
+    "prefill_cache_axis_order": Key("Upstream's KV cache layout for prefill; fixed here.", refused=_CACHE_LAYOUT),
+    "ar_cache_axis_order": Key("Upstream's KV cache layout for decoding; fixed here.", refused=_CACHE_LAYOUT),
+    "compute_axis_order": Key("Upstream's attention compute layout; fixed here.", refused=_CACHE_LAYOUT),
+    "reshape_q": Key("Upstream's query reshape for decoding; not needed here.", refused=_CACHE_LAYOUT),
+    "num_layers_per_pipeline_stage": Key("Pipeline parallelism: layers per stage.", refused=_PIPELINE),
+    "num_pipeline_repeats": Key("Pipeline parallelism: circular repeats; -1: derived.", refused=_PIPELINE),
+    "num_pipeline_microbatches": Key("Pipeline parallelism: microbatches; -1: the stages.", refused=_PIPELINE),
+    "scan_pipeline_iterations": Key("Pipeline parallelism: scan the iterations.", refused=_PIPELINE),
+    "num_slices": Key(
+      "The slices (DCN-connected groups of devices): -1 detects them; another value must match the devices.",
+      range=Range(1, also=(-1,), says="-1 (detected) or a positive number of slices"),
+    ),
+    "enable_single_controller": Key(
+      "Upstream's Pathways (single-controller JAX); not available outside Google Cloud.",
+      refused="it is for Pathways (single-controller JAX), which is not available outside Google Cloud; MaxText "
+      "runs one process per host (docs/multihost.md)",
+    ),
+    "quant_cfg_path": Key("Upstream's per-layer quantization JSON (quantization=intmp).", refused=_SERVING_CHECKPOINTS),
+    "checkpoint_is_quantized": Key("decode.py: the params are int8 with scales.", refused=_SERVING_CHECKPOINTS),
+    "save_quantized_params_path": Key("decode.py: write int8 params and scales here.", refused=_SERVING_CHECKPOINTS),
+    "quantization_local_shard_count": Key("Upstream's AQT shard count; -1: num_slices.", refused=_SERVING_CHECKPOINTS),
+    "enable_single_replica_ckpt_restoring": _operations("enable_single_replica_ckpt_restoring"),
+    "enable_emergency_checkpoint": _operations("enable_emergency_checkpoint"),
+    "local_checkpoint_directory": _operations("local_checkpoint_directory"),
+    "local_checkpoint_period": _operations("local_checkpoint_period"),
+    "enable_checkpoint_cloud_logger": _operations("enable_checkpoint_cloud_logger"),
+    "enable_checkpoint_standard_logger": _operations("enable_checkpoint_standard_logger"),
+    "expansion_factor_real_data": Key(
+      "Upstream: hosts that load data for others; here every process loads its own rows.",
+      refused="every process loads its own rows of the global batch here (docs/data.md); no process loads for others",
+    ),
+    "max_corpus_chars": Key(
+      "Upstream's train_tokenizer limit; here train_tokenizer.py takes --max_corpus_chars.",
+      refused="train.py trains no tokenizer: pass --max_corpus_chars to MaxText/train_tokenizer.py",
+    ),
+    "load_from_prefill_dir": Key("Upstream's JetStream prefill cache.", refused=f"load_from_prefill_dir {_JETSTREAM}"),
+    "prefill_cache_dir": Key("Upstream's JetStream prefill cache.", refused=f"prefill_cache_dir {_JETSTREAM}"),
+    "inference_microbenchmark_prefill_lengths": Key("inference_microbenchmark.py.", refused=_MICROBENCHMARK),
+    "inference_microbenchmark_stages": Key("inference_microbenchmark.py.", refused=_MICROBENCHMARK),
+    "inference_microbenchmark_loop_iters": Key("inference_microbenchmark.py.", refused=_MICROBENCHMARK),
+    "inference_microbenchmark_log_file_path": Key("inference_microbenchmark.py.", refused=_MICROBENCHMARK),
+    "inference_metadata_file": Key("Upstream's JetStream metadata.", refused=f"inference_metadata_file {_JETSTREAM}"),
+    "enable_model_warmup": Key("Upstream's JetStream warm-up.", refused=f"enable_model_warmup {_JETSTREAM}"),
+    "prometheus_port": Key("Upstream's JetStream metrics port.", refused=f"prometheus_port {_JETSTREAM}"),
+    "enable_jax_profiler": _operations("enable_jax_profiler"),
+    "jax_profiler_port": _operations("jax_profiler_port"),
+    "gcs_metrics": Key(
+      "Upstream's per-step metrics files under <run_dir>/metrics/; here: metrics_file.",
+      refused="not implemented yet; metrics_file=<path> writes every step's metrics as JSON lines (docs/diagnostics.md)",
+    ),
+    "save_config_to_gcs": Key("Upstream: write the config to <run_dir>/config.yml; here it is always written."),
+    "max_checkify": Key(
+      "Upstream's jax.experimental.checkify of the step.",
+      refused="not implemented yet; nonfinite_action=abort names the first layer with a NaN or Inf",
+    ),
+    "enable_goodput_recording": _operations("enable_goodput_recording"),
+    "monitor_goodput": _operations("monitor_goodput"),
+    "goodput_upload_interval_seconds": _operations("goodput_upload_interval_seconds"),
+    "hf_access_token": Key(
+      "A Hugging Face token for gated hub datasets (dataset_type=hf); empty: none, or the HF_TOKEN environment.",
+    ),
+  },
+}

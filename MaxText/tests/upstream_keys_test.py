@@ -1,0 +1,81 @@
+"""Upstream MaxText's configs load here: every key of upstream's base.yml (ed21f6ad) is known, accepted at upstream's
+default, and another value of a key whose feature does not apply here is refused with a reason."""
+
+import os
+
+import pytest
+import yaml
+
+from MaxText import config_loader, config_schema, pyconfig
+from MaxText.errors import ConfigError
+from MaxText.tests.helpers import BASE_YML, tiny_config
+
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "upstream_base_keys.yml"), encoding="utf-8") as f:
+  UPSTREAM = yaml.safe_load(f)
+
+# Keys that upstream's configs set together: each is loaded with its partners at upstream's defaults.
+TOGETHER = {"mesh_axes": ("data_sharding",), "data_sharding": ("mesh_axes",)}
+# Upstream defaults that this test's host cannot take, with the reason (each is one error line for a user too).
+NOT_HERE = {
+  "hardware": "tpu: this host has no TPU (hardware=tpu on a host without one is one error line)",
+  "tokenizer_path": "assets/tokenizer.llama2 is not shipped here (one line says where to get it)",
+}
+
+
+def _cli(value) -> str:
+  if isinstance(value, bool):
+    return str(value).lower()
+  if isinstance(value, list):
+    return yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
+  return str(value)
+
+
+def test_every_upstream_key_is_a_key_here():
+  assert sorted(set(UPSTREAM) - set(config_loader.base_defaults())) == []
+
+
+@pytest.mark.parametrize("key", sorted(set(UPSTREAM) - set(NOT_HERE)))
+def test_upstream_default_loads(key, tmp_path):
+  """base.yml with this key (and its partners) at upstream's default loads without an error."""
+  args = [f"{k}={_cli(UPSTREAM[k])}" for k in (key, *TOGETHER.get(key, ()))]
+  if key == "dataset_type":
+    args.append(f"dataset_path={tmp_path}")  # tfds reads a dataset_path
+  if key != "base_output_directory":
+    args.append(f"base_output_directory={tmp_path}")
+  config = pyconfig.initialize(["test", BASE_YML, "run_name=test", *args], environ={})
+  assert key in config
+
+
+def _other(default):
+  if isinstance(default, bool):
+    return not default
+  if isinstance(default, int):
+    return default + 2
+  return "x"
+
+
+@pytest.mark.parametrize("key", [k for k, entry in config_schema.KEYS.items() if entry.refused])
+def test_another_value_of_a_key_that_does_not_apply_is_refused_with_its_reason(key):
+  default = config_loader.base_defaults()[key]
+  other = _other(default)
+  with pytest.raises(ConfigError) as error:
+    tiny_config(f"{key}={_cli(other)}")
+  assert str(error.value) == f"{key}={_cli(other)}: {config_schema.KEYS[key].refused}"
+
+
+def test_hf_access_token_is_not_written_to_the_resolved_config(tmp_path):
+  config = tiny_config("hf_access_token=hf_secret123", tmp_path=tmp_path)
+  assert config.hf_access_token == "hf_secret123"
+  assert "hf_secret123" not in config.to_yaml() and "hf_access_token: '<set, not shown>'" in config.to_yaml()
+
+
+def test_upstream_empty_base_output_directory_is_the_current_directory(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  config = pyconfig.initialize(["test", BASE_YML, "run_name=here", "base_output_directory="], environ={})
+  assert config.run_dir == str(tmp_path / "here")
+
+
+def test_num_slices_is_detected_and_another_count_is_refused():
+  assert tiny_config("num_slices=1").num_slices == tiny_config().num_slices == 1
+  with pytest.raises(ConfigError, match=r"num_slices=2, but the devices form 1 slice\(s\); leave it at -1"):
+    tiny_config("num_slices=2")
