@@ -22,6 +22,7 @@ from MaxText import (
   config_schema,
   config_validation,
   max_logging,
+  tokenizer_assets,
   xla_flag_presets,
 )
 from MaxText.diagnostics import numerics_config
@@ -243,10 +244,13 @@ def _derive_static(values, sources, environ):
     _normalise(values, "jax_cache_dir", os.path.expanduser(values["jax_cache_dir"]))
   if values["dataset_type"] != "synthetic" and (values["tokenize_train_data"] or values["tokenize_eval_data"]):
     found = resolve_asset_path(values["tokenizer_path"], values["config_path"])
+    if found is None and tokenizer_assets.from_package(values["tokenizer_path"]):
+      found = tokenizer_assets.from_package(values["tokenizer_path"])
+      max_logging.log(f"tokenizer_path={values['tokenizer_path']} is upstream's asset, not shipped here: using {found}")
     if found is None:
       raise ConfigError(
         f"tokenizer_path={values['tokenizer_path']} does not exist (tried the cwd, {config_loader.PACKAGE_DIR} "
-        "and the config's directory)"
+        f"and the config's directory){tokenizer_assets.where_to_get(values['tokenizer_path'], config_loader.PACKAGE_DIR)}"
       )
     _normalise(values, "tokenizer_path", found)
   _normalise(values, "mesh_axes", tuple(values["mesh_axes"]))

@@ -2,6 +2,7 @@
 default, and another value of a key whose feature does not apply here is refused with a reason."""
 
 import os
+import shutil
 
 import pytest
 import yaml
@@ -79,3 +80,22 @@ def test_num_slices_is_detected_and_another_count_is_refused():
   assert tiny_config("num_slices=1").num_slices == tiny_config().num_slices == 1
   with pytest.raises(ConfigError, match=r"num_slices=2, but the devices form 1 slice\(s\); leave it at -1"):
     tiny_config("num_slices=2")
+
+
+@pytest.mark.parametrize("asset", ["tokenizer.llama2", "tokenizer.gemma", "tokenizer.mistral", "tokenizer_llama3.tiktoken"])
+def test_upstream_tokenizer_assets_say_where_to_get_them(asset):
+  where = rf"it is upstream MaxText's asset, which this project does not ship: save it as .*/MaxText/assets/{asset}\. Get "
+  with pytest.raises(ConfigError, match=where + ".*huggingface.co"):
+    tiny_config(f"tokenizer_path=assets/{asset}")
+
+
+def test_a_package_that_ships_upstreams_tokenizer_is_used(tmp_path, monkeypatch, capsys):
+  """mistral-common ships Mistral's tokenizer as data/tokenizer.model.v1: where it is installed, it is used."""
+  data = tmp_path / "mistral_common" / "data"
+  data.mkdir(parents=True)
+  (tmp_path / "mistral_common" / "__init__.py").write_text("")
+  shutil.copy(os.path.join(config_loader.PACKAGE_DIR, "assets", "tokenizer.default"), data / "tokenizer.model.v1")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  config = tiny_config("tokenizer_path=assets/tokenizer.mistral")
+  assert config.tokenizer_path == str(data / "tokenizer.model.v1")
+  assert "is upstream's asset, not shipped here: using" in capsys.readouterr().out
