@@ -174,6 +174,9 @@ class MetricLogger:
 
   def close(self) -> None:
     self.flush()
+    for observer in self.observers:
+      if hasattr(observer, "close"):
+        observer.close()
     if self._metrics_file is not None:
       self._metrics_file.close()
       self._metrics_file = None

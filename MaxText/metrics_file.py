@@ -4,6 +4,9 @@ statistics (diagnostics/numerics_log.py): one JSON object a line, each with its 
 import json
 import os
 
+import jax
+from etils import epath
+
 from MaxText import max_logging
 
 
@@ -37,3 +40,34 @@ def keep_lines_before(path: str, start_step: int, run_name: str | None = None) -
     )
   with open(path, "w", encoding="utf-8") as f:
     f.writelines(kept)
+
+
+class MetricsDirWriter:
+  """gcs_metrics (upstream's key): the steps' metrics as JSON lines in files under <run_dir>/metrics/, one file
+  metrics_step_<first>_to_step_<last>.txt every log_period steps and at the end, for any path the run directory
+  takes (a local directory, gs://, ...). A MetricLogger observer; close() writes what is left."""
+
+  def __init__(self, config):
+    self.config = config
+    self.records = []
+
+  def __call__(self, step: int, scalars: dict, nested: dict) -> None:
+    del nested
+    self.records.append({"step": float(step), "run_name": self.config.run_name, **scalars})
+    if (step + 1) % self.config.log_period == 0 or step == self.config.steps - 1:
+      self.close()
+
+  def close(self) -> None:
+    if not self.records:
+      return
+    first, last = int(self.records[0]["step"]), int(self.records[-1]["step"])
+    directory = epath.Path(self.config.metrics_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps(record) + "\n" for record in self.records)
+    (directory / f"metrics_step_{first:06}_to_step_{last:06}.txt").write_text(text)
+    self.records = []
+
+
+def dir_writers(config) -> list:
+  """The metrics-directory writer of gcs_metrics, on process 0 (none elsewhere or when off)."""
+  return [MetricsDirWriter(config)] if config.gcs_metrics and jax.process_index() == 0 else []

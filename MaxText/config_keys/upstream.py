@@ -94,8 +94,7 @@ SECTIONS = {
     "enable_jax_profiler": _operations("enable_jax_profiler"),
     "jax_profiler_port": _operations("jax_profiler_port"),
     "gcs_metrics": Key(
-      "Upstream's per-step metrics files under <run_dir>/metrics/; here: metrics_file.",
-      refused="not implemented yet; metrics_file=<path> writes every step's metrics as JSON lines (docs/diagnostics.md)",
+      "Write the steps' metrics as JSON lines to <run_dir>/metrics/metrics_step_<a>_to_step_<b>.txt, every log_period."
     ),
     "save_config_to_gcs": Key("Upstream: write the config to <run_dir>/config.yml; here it is always written."),
     "max_checkify": Key(

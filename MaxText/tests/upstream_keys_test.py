@@ -1,6 +1,7 @@
 """Upstream MaxText's configs load here: every key of upstream's base.yml (ed21f6ad) is known, accepted at upstream's
 default, and another value of a key whose feature does not apply here is refused with a reason."""
 
+import json
 import os
 import shutil
 
@@ -9,7 +10,7 @@ import yaml
 
 from MaxText import config_loader, config_schema, pyconfig
 from MaxText.errors import ConfigError
-from MaxText.tests.helpers import BASE_YML, tiny_config
+from MaxText.tests.helpers import BASE_YML, run_train, tiny_config
 
 with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "upstream_base_keys.yml"), encoding="utf-8") as f:
   UPSTREAM = yaml.safe_load(f)
@@ -99,3 +100,19 @@ def test_a_package_that_ships_upstreams_tokenizer_is_used(tmp_path, monkeypatch,
   config = tiny_config("tokenizer_path=assets/tokenizer.mistral")
   assert config.tokenizer_path == str(data / "tokenizer.model.v1")
   assert "is upstream's asset, not shipped here: using" in capsys.readouterr().out
+
+
+def test_gcs_metrics_writes_the_steps_under_the_run_directory_every_log_period(tmp_path):
+  """Upstream's gcs_metrics: <run_dir>/metrics/metrics_step_<first>_to_step_<last>.txt, JSON lines, every log_period."""
+  result, metrics = run_train(tmp_path, "gcs", "steps=5", "log_period=2", "gcs_metrics=true", "enable_checkpointing=false")
+  assert result.returncode == 0, result.stderr[-2000:]
+  directory = tmp_path / "gcs" / "metrics"
+  names = sorted(os.listdir(directory))
+  assert names == [
+    "metrics_step_000000_to_step_000001.txt",
+    "metrics_step_000002_to_step_000003.txt",
+    "metrics_step_000004_to_step_000004.txt",
+  ]
+  lines = [json.loads(line) for name in names for line in (directory / name).read_text().splitlines()]
+  assert [m["step"] for m in lines] == [0.0, 1.0, 2.0, 3.0, 4.0]
+  assert [m["learning/loss"] for m in lines] == [m["learning/loss"] for m in metrics]  # as the metrics_file's
