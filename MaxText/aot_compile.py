@@ -8,11 +8,13 @@ lower_train_step); for a target only the devices differ: the target's, described
 
 import dataclasses
 import functools
+import os
 import re
 import time
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import checkify
 
 from MaxText import (
   aot_targets,
@@ -26,6 +28,7 @@ from MaxText import (
   train_state,
   train_step,
 )
+from MaxText.errors import UserError
 from MaxText.input_pipeline.packing import BATCH_KEYS
 from MaxText.mesh import create_device_mesh
 
@@ -76,6 +79,38 @@ def compile_train_step(model, config, mesh, abstract_state, memory_limit_bytes: 
     UserError: a step needs more memory per device than a device has; the message names the keys that help.
   """
   compiled = lower_train_step(model, config, mesh, abstract_state).compile()
+  _check_memory(config, compiled, memory_limit_bytes)
+  return throwing_step(config, compiled)
+
+
+def throwing_step(config, compiled):
+  """The compiled step as the loop calls it: with max_checkify, one that raises checkify's error (one line naming the
+  op and the step) instead of returning it."""
+  if not config.max_checkify:
+    return compiled
+
+  def step(state, batch):
+    error, (new_state, metrics) = compiled(state, batch)
+    try:
+      error.throw()
+    except checkify.JaxRuntimeError as found:
+      message = " ".join(str(found).split())
+      raise UserError(f"max_checkify: step {int(new_state.step) - 1}: {message}{_where(found)}") from None
+    return new_state, metrics
+
+  return step
+
+
+def _where(found: Exception) -> str:
+  """' (at <file>:<line> in <function>)': the MaxText code whose op failed a check, innermost first."""
+  info = getattr(found.__cause__, "traceback_info", None)
+  for frame in getattr(info, "frames", ()):
+    if f"{os.sep}MaxText{os.sep}" in frame.file_name and "site-packages" not in frame.file_name:
+      return f" (at {frame.file_name}:{frame.line_num} in {frame.function_name})"
+  return ""
+
+
+def _check_memory(config, compiled, memory_limit_bytes: int | None) -> None:
   memory = memory_check.CompiledMemory.from_analysis(compiled.memory_analysis())
   if memory is not None:
     device = jax.local_devices()[0]
@@ -92,7 +127,6 @@ def compile_train_step(model, config, mesh, abstract_state, memory_limit_bytes: 
     max_logging.log(
       f"One train step needs {memory_check.format_bytes(memory.peak_bytes)} per device{of_limit} ({memory.breakdown()})"
     )
-  return compiled
 
 
 def load_compiled_train_step(model, config, mesh, abstract_state):
@@ -102,12 +136,14 @@ def load_compiled_train_step(model, config, mesh, abstract_state):
     UserError: the file is missing, or was compiled for other shapes, config values or devices (named).
   """
   step = functools.partial(train_step.train_step, model, config)
+  if config.max_checkify:
+    step = train_step.checkified(step, config)
   with sharding.logical_context(mesh, config):
     compiled = compiled_step_file.load(
       config.compiled_trainstep_file, config, jax.devices(), step, abstract_state, abstract_batch(config, mesh)
     )
   max_logging.log(f"Loaded the compiled train step from {config.compiled_trainstep_file}")
-  return compiled
+  return throwing_step(config, compiled)
 
 
 def _memory_advice(config, platform: str) -> str:

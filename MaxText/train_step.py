@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import struct
+from jax.experimental import checkify
 
 from MaxText import sharding
 from MaxText.diagnostics import nonfinite, numerics_stats, numerics_taps
@@ -228,14 +229,34 @@ def eval_step(model, config, params, batch):
 def jit_train_step(model, config, mesh, state_shardings):
   """train_step jitted with the state donated and kept on its shardings, the batch on the data sharding.
 
-  Call the result inside sharding.logical_context(mesh, config), which tracing needs.
+  Call the result inside sharding.logical_context(mesh, config), which tracing needs. With max_checkify the step is
+  checkified and returns (error, (new_state, metrics)), which aot_compile.throwing_step raises.
   """
+  step, out_shardings = functools.partial(train_step, model, config), (state_shardings, None)
+  if config.max_checkify:
+    step, out_shardings = checkified(step, config), (None, out_shardings)
   return jax.jit(
-    functools.partial(train_step, model, config),
+    step,
     in_shardings=(state_shardings, sharding.data_sharding(config, mesh)),
-    out_shardings=(state_shardings, None),
+    out_shardings=out_shardings,
     donate_argnums=0,
   )
+
+
+def checkified(step, config):
+  """max_checkify: the step checks that every token id is in [0, vocab_size) (JAX clamps an out-of-bounds gather
+  silently), and that no op makes a NaN or divides by zero (the error names the op and where it is)."""
+
+  def checked_step(state, batch):
+    for key in ("inputs", "targets"):
+      ids = batch[key]
+      in_range = jnp.all((ids >= 0) & (ids < config.vocab_size))
+      checkify.check(in_range, f"a token id of the batch's {key} is outside [0, vocab_size={config.vocab_size})")
+    return step(state, batch)
+
+  # index_checks would cover every gather and scatter, but checkify cannot trace the batched scatter of
+  # take_along_axis's gradient (an IndexError in jax 0.10): the token ids are what an input can put out of bounds.
+  return checkify.checkify(checked_step, errors=checkify.user_checks | checkify.nan_checks | checkify.div_checks)
 
 
 def jit_eval_step(model, config, mesh, state_shardings):

@@ -98,8 +98,7 @@ SECTIONS = {
     ),
     "save_config_to_gcs": Key("Upstream: write the config to <run_dir>/config.yml; here it is always written."),
     "max_checkify": Key(
-      "Upstream's jax.experimental.checkify of the step.",
-      refused="not implemented yet; nonfinite_action=abort names the first layer with a NaN or Inf",
+      "Checkify the train step: an out-of-bounds index or a NaN stops the run, naming the op and the step (slower)."
     ),
     "enable_goodput_recording": _operations("enable_goodput_recording"),
     "monitor_goodput": _operations("monitor_goodput"),
