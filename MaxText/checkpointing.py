@@ -424,6 +424,24 @@ def initial_state(config, manager, abstract_state, init_fn):
   return init_fn(), None
 
 
+def restore_data_position(config, data_iterator, data_state) -> None:
+  """Puts the data iterator where the checkpoint's data was, or, with data_position_on_resume=reset, leaves it at
+  the start (another dataset_type, or streamed data on another number of data shards: what resumes then is the
+  model and the optimizer)."""
+  if config.data_position_on_resume == "reset":
+    max_logging.log(
+      "data_position_on_resume=reset: the model and optimizer are restored; the data position is not, so "
+      "the data starts afresh"
+    )
+    return
+  try:
+    data_iterator.set_state(data_state)
+  except UserError as error:
+    raise UserError(
+      f"{error}; or data_position_on_resume=reset restores the model and optimizer and starts the data afresh"
+    ) from None
+
+
 def save_checkpoint(manager, step: int, state, data_iterator) -> float:
   """Starts saving the state after `step` (asynchronously if configured); returns the seconds the caller was blocked."""
   start = time.time()

@@ -33,6 +33,7 @@ _OUTSIDE_THE_STEP = {
   "eval_interval", "eval_steps", "eval_per_device_batch_size", "target_eval_loss", "global_batch_size_to_load_eval",
   "compile_topology", "compile_topology_num_slices", "compiled_trainstep_file", "compile_search",
   "numerics_debug_config",  # the file's content is in the derived key numerics_debug, which is in the signature
+  "save_checkpoint_on_completion", "data_position_on_resume", "gcs_metrics", "save_config_to_gcs",
 }  # fmt: skip
 
 

@@ -79,7 +79,7 @@ def train_loop(config):
       lambda: train_state.init_train_state(setup.model, setup.tx, config, mesh, setup.state_shardings),
     )
     if data_state is not None:
-      data_iterator.set_state(data_state)
+      checkpointing.restore_data_position(config, data_iterator, data_state)
     if int(state.step) >= config.steps:
       max_logging.log(
         f"Run {config.run_name} is already complete: {int(state.step)} of steps={config.steps} done. "

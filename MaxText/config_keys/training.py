@@ -13,6 +13,10 @@ SECTIONS = {
     "async_checkpointing": Key("Write in the background; the loop only waits for the device-to-host copy."),
     "checkpoint_period": Key("Save every this many steps (from step 0), and at the last step.", range=POSITIVE),
     "save_checkpoint_on_completion": Key("Also save the last step; false: only every checkpoint_period (upstream 2024)."),
+    "data_position_on_resume": Key(
+      "restore: a resume continues the data exactly; reset: restore model and optimizer, start the data afresh.",
+      choices=("restore", "reset"),
+    ),
     "max_num_checkpoints_to_keep": Key(
       "Keep the newest N checkpoints; null keeps all.",
       range=Range(1, also=(None,), says="null (keep all) or a positive integer"),

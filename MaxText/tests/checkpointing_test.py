@@ -228,6 +228,11 @@ def test_resuming_with_another_dataset_type_is_a_clear_error(tmp_path):
   result, _ = run_train(tmp_path, "kind", "steps=4")
   assert result.returncode == 2
   assert "data position is for a synthetic pipeline but this run's dataset_type reads a rows one" in result.stderr
+  assert "or data_position_on_resume=reset restores the model and optimizer" in result.stderr
+  result, metrics = run_train(tmp_path, "kind", "steps=4", "data_position_on_resume=reset")
+  _ok(result)
+  assert "Restored the checkpoint of step 1" in result.stdout and "the data position is not" in result.stdout
+  assert [m["step"] for m in metrics] == [0, 1, 2, 3]
 
 
 def test_data_used_up_with_a_checkpoint_every_step(tmp_path):
