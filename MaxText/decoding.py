@@ -96,7 +96,9 @@ class Generation:
   generated_per_s: float
 
 
-def _sampler(config, valid_vocab: int):
+def sampler(config, valid_vocab: int):
+  """pick(logits (B, V), rng) -> (B,) tokens: the config's sampling, over the ids below valid_vocab."""
+
   def pick(logits, rng):
     if valid_vocab < logits.shape[-1]:  # never sample ids the tokenizer cannot decode
       logits = jnp.where(jnp.arange(logits.shape[-1]) < valid_vocab, logits, -jnp.inf)
@@ -127,7 +129,7 @@ def _to_host(x) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def _prefill(model, pick, params, tokens, true_length, rng):
+def prefill(model, pick, params, tokens, true_length, rng):
   """Runs the padded prompts (B, P) through the model from an empty cache; returns (cache, last logits, first token).
 
   Sampling draws from fold_in(rng, 0) here and fold_in(rng, i) at step i (all on the device, no eager ops).
@@ -139,7 +141,7 @@ def _prefill(model, pick, params, tokens, true_length, rng):
   return nn.unbox(variables["cache"]), last, _on_every_process(pick(last, jax.random.fold_in(rng, 0)))
 
 
-def _step(model, pick, params, cache, tokens, positions, step, rng):
+def decode_step(model, pick, params, cache, tokens, positions, step, rng):
   """Feeds one token per row (B,) at `positions` (B,); returns (cache, logits, next token, positions + 1, step + 1)."""
   logits, variables = model.apply({"params": params, "cache": cache}, tokens[:, None], positions[:, None], mutable=["cache"])
   token = _on_every_process(pick(logits[:, 0], jax.random.fold_in(rng, step)))
@@ -163,7 +165,7 @@ def generate(
   """
   rows, padded = config.micro_batch_size_to_load, config.max_prefill_predict_length
   num_tokens = config.max_target_length - padded
-  pick = _sampler(config, valid_vocab or config.vocab_size)
+  pick = sampler(config, valid_vocab or config.vocab_size)
   rows_sharding = NamedSharding(mesh, PartitionSpec(*config.data_sharding))
   tokens = np.zeros((rows, padded), np.int32)
   tokens[:, : len(prompt_ids)] = prompt_ids
@@ -174,12 +176,12 @@ def generate(
 
   jax.block_until_ready((params, tokens, true_length))  # the prefill time excludes loading the params
   with sharding.logical_context(mesh, config):
-    prefill = jax.jit(functools.partial(_prefill, model, pick)).lower(params, tokens, true_length, rng).compile()
+    compiled = jax.jit(functools.partial(prefill, model, pick)).lower(params, tokens, true_length, rng).compile()
     start = time.perf_counter()
-    cache, logits, token = jax.block_until_ready(prefill(params, tokens, true_length, rng))
+    cache, logits, token = jax.block_until_ready(compiled(params, tokens, true_length, rng))
     prefill_s = time.perf_counter() - start
 
-    step = jax.jit(functools.partial(_step, model, pick), donate_argnums=(1,))
+    step = jax.jit(functools.partial(decode_step, model, pick), donate_argnums=(1,))
     positions, index = true_length, jnp.ones((), jnp.int32)
     step = step.lower(params, cache, token, positions, index, rng).compile()
     sampled, all_logits = [np.asarray(token)], [_to_host(logits)] if keep_logits else None

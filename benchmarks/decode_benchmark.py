@@ -30,7 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from MaxText import aot_targets, cli_args, config_loader, decoding, flops, mesh, pyconfig, sharding  # noqa: E402
+from MaxText import cli_args, config_loader, decode_roofline, decoding, mesh, pyconfig, sharding  # noqa: E402
 from MaxText.errors import UserError, run_and_exit_on_user_error  # noqa: E402
 
 
@@ -52,33 +52,6 @@ def _recompute_per_token_s(config, model, params, device_mesh, rows: int, prompt
       sequence = step(params, sequence, t)
     jax.block_until_ready(sequence)
   return (time.perf_counter() - start) / tokens
-
-
-def _device_bytes(tree) -> int:
-  """Bytes of the tree's shards on the first device."""
-  device = jax.devices()[0]
-  return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards if s.device == device)
-
-
-def kv_cache_bytes(config, rows: int) -> int:
-  """The KV cache of `rows` rows on one device: keys and values of every layer, max_target_length slots (an int8
-  cache counts 1 byte a value; its scales are left out)."""
-  itemsize = 1 if getattr(config, "quantize_kvcache", False) else jnp.dtype(config.dtype).itemsize
-  per_row_slot = 2 * config.num_decoder_layers * config.num_kv_heads * config.head_dim * itemsize
-  return rows * config.max_target_length * per_row_slot // jax.device_count()
-
-
-def roofline_tokens_per_s(rows: int, bytes_per_step: int, bandwidth_gbps: float | None) -> float | None:
-  """The most tokens/s a step that reads bytes_per_step for `rows` new tokens can reach (None: unknown bandwidth)."""
-  return rows * bandwidth_gbps * 1e9 / bytes_per_step if bandwidth_gbps else None
-
-
-def _bandwidth_gbps(override: float | None) -> float | None:
-  if override is not None:
-    return override
-  kind = jax.devices()[0].device_kind
-  chip = aot_targets.CHIPS.get("cpu" if kind == "cpu" else flops.device_generation(kind) or "")
-  return chip.memory_bandwidth_gbps if chip else None
 
 
 def _batch_sizes(text: str) -> list[int]:
@@ -145,7 +118,7 @@ def row_configs(argv0: str, config_args: list[str], args) -> dict:
 def main(argv) -> None:
   args, config_args = parse_args(argv)
   configs = row_configs(argv[0], config_args, args)
-  bandwidth = _bandwidth_gbps(args.hbm_gbps)
+  bandwidth = decode_roofline.bandwidth_gbps(args.hbm_gbps)
   print(f"{jax.devices()[0].device_kind}: memory bandwidth {f'{bandwidth:g} GB/s' if bandwidth else 'unknown (--hbm_gbps)'}")
   print("Params: random (the timing does not depend on them)")
   print(
@@ -158,7 +131,9 @@ def main(argv) -> None:
     params = decoding.random_params(config, model, abstract, device_mesh)
     prompt = [1] * args.prompt_length
     cached = decoding.generate(config, model, params, device_mesh, prompt)
-    roofline = roofline_tokens_per_s(rows, _device_bytes(params) + kv_cache_bytes(config, rows), bandwidth)
+    roofline = decode_roofline.roofline_tokens_per_s(
+      rows, decode_roofline.device_bytes(params) + decode_roofline.kv_cache_bytes(config, rows), bandwidth
+    )
     of_roofline = f"{100 * cached.generated_per_s / roofline:>10.1f}%" if roofline else f"{'n/a':>11}"
     roofline_text = f"{roofline:>15.1f}" if roofline else f"{'n/a':>15}"
     line = f"{rows:>4} {cached.step_s * 1e3:>16.2f} {cached.generated_per_s:>13.1f} {roofline_text} {of_roofline}"

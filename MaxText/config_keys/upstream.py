@@ -4,7 +4,7 @@ Each is accepted at upstream's default, so that upstream's configs and scripts l
 a user who sets another value reads: why it does not apply here, and what to use instead.
 """
 
-from MaxText.config_keys import Key, Range
+from MaxText.config_keys import POSITIVE, Key, Range
 
 _CACHE_LAYOUT = (
   "the attention and KV cache layouts are fixed here (batch, sequence, heads, head_dim); their sharding follows "
@@ -17,9 +17,6 @@ _SERVING_CHECKPOINTS = (
 )
 _OPERATIONS = "is not implemented yet (emergency checkpoints, goodput, the on-demand profiler and checkpoint loggers)"
 _JETSTREAM = "is for JetStream serving (MaxEngine), which this project does not ship; decode.py generates from a checkpoint"
-_MICROBENCHMARK = (
-  "inference_microbenchmark.py is not implemented yet; benchmarks/decode_benchmark.py times prefill and decode"
-)
 
 
 def _operations(feature: str) -> Key:
@@ -84,10 +81,10 @@ SECTIONS = {
     ),
     "load_from_prefill_dir": Key("Upstream's JetStream prefill cache.", refused=f"load_from_prefill_dir {_JETSTREAM}"),
     "prefill_cache_dir": Key("Upstream's JetStream prefill cache.", refused=f"prefill_cache_dir {_JETSTREAM}"),
-    "inference_microbenchmark_prefill_lengths": Key("inference_microbenchmark.py.", refused=_MICROBENCHMARK),
-    "inference_microbenchmark_stages": Key("inference_microbenchmark.py.", refused=_MICROBENCHMARK),
-    "inference_microbenchmark_loop_iters": Key("inference_microbenchmark.py.", refused=_MICROBENCHMARK),
-    "inference_microbenchmark_log_file_path": Key("inference_microbenchmark.py.", refused=_MICROBENCHMARK),
+    "inference_microbenchmark_prefill_lengths": Key("inference_microbenchmark.py: the prompt lengths to time prefill at."),
+    "inference_microbenchmark_stages": Key("inference_microbenchmark.py: prefill and/or generate, comma-separated."),
+    "inference_microbenchmark_loop_iters": Key("inference_microbenchmark.py: timed runs of each stage.", range=POSITIVE),
+    "inference_microbenchmark_log_file_path": Key("inference_microbenchmark.py: write the results' JSON here."),
     "inference_metadata_file": Key("Upstream's JetStream metadata.", refused=f"inference_metadata_file {_JETSTREAM}"),
     "enable_model_warmup": Key("Upstream's JetStream warm-up.", refused=f"enable_model_warmup {_JETSTREAM}"),
     "prometheus_port": Key("Upstream's JetStream metrics port.", refused=f"prometheus_port {_JETSTREAM}"),

@@ -194,18 +194,19 @@ def test_train_step_benchmark_wrong_steps_are_one_line(capsys, args, message):
 
 
 def test_decode_roofline_counts_params_and_the_whole_kv_cache():
-  decode_benchmark = _load("decode_benchmark")
+  from MaxText import decode_roofline  # pylint: disable=import-outside-toplevel
+
   config = types.SimpleNamespace(
     num_decoder_layers=16, num_kv_heads=8, head_dim=128, dtype="bfloat16", max_target_length=4096
   )
-  cache = decode_benchmark.kv_cache_bytes(config, rows=64)
+  cache = decode_roofline.kv_cache_bytes(config, rows=64)
   assert cache == 64 * 4096 * 2 * 16 * 8 * 128 * 2 // jax.device_count()
   # 1 GB of params + the cache at 3350 GB/s: 64 rows per step.
-  tokens_per_s = decode_benchmark.roofline_tokens_per_s(64, 10**9 + cache, 3350.0)
+  tokens_per_s = decode_roofline.roofline_tokens_per_s(64, 10**9 + cache, 3350.0)
   assert tokens_per_s == pytest.approx(64 * 3350e9 / (10**9 + cache))
-  assert decode_benchmark.roofline_tokens_per_s(1, 10**9, None) is None
+  assert decode_roofline.roofline_tokens_per_s(1, 10**9, None) is None
   int8 = types.SimpleNamespace(**{**vars(config), "quantize_kvcache": True})
-  assert decode_benchmark.kv_cache_bytes(int8, rows=64) == cache // 2
+  assert decode_roofline.kv_cache_bytes(int8, rows=64) == cache // 2
 
 
 def test_flag_ablation_runs_each_flag_of_the_preset_alone():
