@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import time
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -22,6 +23,15 @@ from MaxText.errors import UserError
 _TENSORBOARD_FLUSH_SECONDS = 30
 
 
+class Written(NamedTuple):
+  """A step as the logger wrote it: its scalars on the host, and its dicts of arrays (numerics statistics, the
+  non-finite report), which the loop's checks read."""
+
+  step: int
+  scalars: dict
+  nested: dict
+
+
 def _format_eta(seconds: float) -> str:
   return str(datetime.timedelta(seconds=int(round(seconds))))
 
@@ -31,7 +41,9 @@ class MetricLogger:
 
   A step's metrics may also hold dicts of arrays (numerics statistics, the non-finite report): they are not
   logged as scalars but handed, with the step's scalars, to each observer, called as observer(step, scalars,
-  nested) once the step is written (diagnostics.nonfinite.HostCheck, diagnostics.numerics_log.StatsWriter).
+  nested) once the step is written (writers of other reports: diagnostics.numerics_log.StatsWriter,
+  metrics_file.MetricsDirWriter; an observer with close() is closed with the logger). The logger only reports: it
+  returns each step it wrote (Written), and the step loop decides what follows.
   """
 
   def __init__(self, config, start_step: int, writer=None, observers=()):
@@ -61,15 +73,17 @@ class MetricLogger:
     """Restarts the step clock (e.g. after a blocking checkpoint save or eval, which is not step time)."""
     self._last_completion = time.time()
 
-  def record(self, step: int, metrics) -> dict | None:
-    """Buffers `metrics` (device arrays) of `step` and writes the previously buffered step.
-
-    Returns the written step's scalars on the host (None when none was buffered).
-    """
+  def record(self, step: int, metrics) -> Written | None:
+    """Buffers `metrics` (device arrays) of `step` and writes the previously buffered step, which it returns (None
+    when none was buffered)."""
     previous, self._pending = self._pending, (step, metrics)
     return None if previous is None else self._write(*previous)
 
-  def flush(self) -> dict | None:
+  def discard_pending(self) -> None:
+    """Forgets the buffered step (the run stops on an error about an earlier step: its line must come last)."""
+    self._pending = None
+
+  def flush(self) -> Written | None:
     """Writes the buffered step now (end of training, before a checkpoint or eval); returns it as record does."""
     written = None
     if self._pending is not None:
@@ -120,12 +134,12 @@ class MetricLogger:
       return None
     return float(np.median(self._recent_step_times)) * (self.config.steps - 1 - step)
 
-  def _write(self, step: int, device_metrics) -> dict:
+  def _write(self, step: int, device_metrics) -> Written:
     host = jax.device_get(device_metrics)  # blocks on this step only
     nested = {k: host.pop(k) for k in [k for k, v in host.items() if isinstance(v, dict)]}
     host = {k: float(v) for k, v in host.items()}
     if host["learning/total_weights"] == 0:
-      return host  # all padding on every process: the step changed nothing, and is not reported
+      return Written(step, host, nested)  # all padding on every process: the step changed nothing, and is not reported
     now = time.time()
     seconds = max(now - self._last_completion, 1e-9)
     self._last_completion = now
@@ -143,7 +157,7 @@ class MetricLogger:
       self._metrics_file.flush()
     for observer in self.observers:
       observer(step, host, nested)
-    return host
+    return Written(step, host, nested)
 
   def _log_line(self, step: int, m: dict) -> None:
     # grad_norm is the norm before clipping: the clipped one only repeats the threshold once clipping starts.

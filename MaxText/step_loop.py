@@ -36,8 +36,8 @@ class StepLoop:
       self.p_eval_step = train_step.jit_eval_step(model, config, mesh, state_shardings)
     self.start_step = int(state.step)
     writer = metric_logger.create_tensorboard_writer(config)
-    observers = nonfinite.observers(config, state.params)
-    observers += numerics_log.observers(config, state.params, writer, self.start_step)
+    self.nonfinite = nonfinite.host_check(config, state.params)
+    observers = numerics_log.observers(config, state.params, writer, self.start_step)
     observers += metrics_file.dir_writers(config)
     self.logger = metric_logger.MetricLogger(config, self.start_step, writer, observers)
     self.watcher = checkpointing.PreemptionWatcher()
@@ -60,10 +60,13 @@ class StepLoop:
             stop = self._save(step, state, stop)
           if stop:
             break
+        self._note(self.logger.flush())  # the last step's checks
     except Exception as error:
       # Eval, data, logging: an error outside the compiled step keeps what was trained since the last checkpoint.
       # A non-finite step (nonfinite_action=abort) saves nothing: the last checkpoint is the last good state.
-      if self.manager is not None and not self.in_step and not isinstance(error, nonfinite.NonFiniteError):
+      if isinstance(error, nonfinite.NonFiniteError):
+        self.logger.discard_pending()  # the steps after the bad one are not reported: the error is the last line
+      elif self.manager is not None and not self.in_step:
         self._save_before_exit(state, error)
       raise
     finally:
@@ -84,10 +87,15 @@ class StepLoop:
     self.diagnostics.after_step(step, metrics)
     return state
 
-  def _note(self, written: dict | None) -> None:
-    """Once every process is out of data, steps see only padding and change nothing (train_step)."""
-    if written is not None and written["learning/total_weights"] == 0:
+  def _note(self, written: metric_logger.Written | None) -> None:
+    """The checks of a step that the logger wrote: a step without tokens (every process is out of data: steps see
+    only padding and change nothing, see train_step), and nonfinite_action (which may stop the run)."""
+    if written is None:
+      return
+    if written.scalars["learning/total_weights"] == 0:
       self.out_of_data = True
+    if self.nonfinite is not None:
+      self.nonfinite(written.step, written.scalars, written.nested)
 
   def _used_up(self) -> str:
     return f"the training data is used up (num_epoch={self.config.num_epoch})"

@@ -114,7 +114,7 @@ def describe(step: int, loss: float, report: dict, names: list[str]) -> str:
 
 
 class HostCheck:
-  """Acts on each step's report as the metric logger writes the step (MetricLogger observer)."""
+  """Acts on each step's report once the metric logger has written the step (called by the step loop)."""
 
   def __init__(self, config, params):
     self.action = config.nonfinite_action
@@ -139,6 +139,6 @@ class HostCheck:
     )
 
 
-def observers(config, params) -> list:
-  """The MetricLogger observers of nonfinite_action (none for `none`)."""
-  return [] if config.nonfinite_action == "none" else [HostCheck(config, params)]
+def host_check(config, params) -> HostCheck | None:
+  """The check of nonfinite_action (None for `none`)."""
+  return None if config.nonfinite_action == "none" else HostCheck(config, params)

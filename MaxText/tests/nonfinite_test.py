@@ -100,6 +100,7 @@ def test_the_loop_aborts_or_skips_naming_the_layer(setup, action, capsys):
     message = str(error.value)
     assert message.startswith(f"step 0: non-finite values (loss=nan), first in the params: {NAN_PARAM}")
     assert "nothing was saved" in message and "\n" not in message
+    assert "completed step: 1" not in capsys.readouterr().out  # the error is the last line, not the step after
   else:
     state = run()
     warnings = [line for line in capsys.readouterr().err.splitlines() if "non-finite" in line]
