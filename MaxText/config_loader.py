@@ -5,6 +5,7 @@ it came from; `pyconfig` turns the result into the validated, derived `Config`.
 """
 
 import difflib
+import math
 import os
 import re
 
@@ -209,8 +210,12 @@ def coerce_value(key: str, value, default, where: str | None = None):
       raise ConfigError(f"{subject} is not an integer")
     return parsed
   if expected is float:
+    if isinstance(parsed, str) and parsed.strip().lower().lstrip("+-.") in ("inf", "infinity", "nan"):
+      raise ConfigError(f"{subject} must be a finite number (e.g. 0.5 or 3e-4)")
     if not isinstance(parsed, (int, float)) or isinstance(parsed, bool):
       raise ConfigError(f"{subject} is not a number (e.g. 0.5 or 3e-4)")
+    if not math.isfinite(parsed):
+      raise ConfigError(f"{subject} must be a finite number (e.g. 0.5 or 3e-4)")
     return float(parsed)
   if not isinstance(parsed, list):
     example = f'{key}="{_example(default)}"' if where is None else f"{key}: {_example(default)}"

@@ -332,9 +332,10 @@ def _derive_device_values(values, sources, devices):
 
   pdbs = values["per_device_batch_size"]
   rows = num_devices * pdbs
-  if abs(rows - round(rows)) > 1e-6:
+  if abs(rows - round(rows)) > 1e-6 or round(rows) < 1:
     raise ConfigError(
-      f"per_device_batch_size={pdbs} x {num_devices} devices = {rows:g} rows; it must make a whole number of rows"
+      f"per_device_batch_size={pdbs} x {num_devices} devices = {rows:g} rows; it must make a whole number of rows, "
+      "at least 1"
     )
   micro_train = int(round(rows))
   mesh_shape = dict(zip(values["mesh_axes"], (i * d for i, d in zip(ici, dcn))))

@@ -24,7 +24,9 @@ SECTIONS = {
       range=Range(1, also=(-1,), says="a positive integer, or -1 to repeat forever"),
     ),
     "enable_data_shuffling": Key("Shuffle the training documents (again every epoch)."),
-    "data_shuffle_seed": Key("Seed of the shuffle (and of the synthetic tokens)."),
+    "data_shuffle_seed": Key(
+      "Seed of the shuffle (and of the synthetic tokens).", range=Range(0, 2**32 - 1, says="in [0, 2**32 - 1]")
+    ),
     "reuse_example_batch": Key("1 trains on the first batch forever (for speed tests).", choices=(0, 1)),
     "train_data_column": Key("The record field with the text (or token ids when tokenize_train_data=false)."),
     "eval_data_column": Key("The record field of the eval data (see train_data_column)."),

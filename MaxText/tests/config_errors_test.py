@@ -6,7 +6,8 @@ the cases marked `needs_devices` fail after the device lookup, still before any 
 
 import pytest
 
-from MaxText.tests.helpers import TRAIN_PY, run_python, tiny_args
+from MaxText.errors import ConfigError
+from MaxText.tests.helpers import TRAIN_PY, run_python, tiny_args, tiny_config
 
 CASES = [
   # (CLI args after the config, extra env, text the error line must contain)
@@ -177,3 +178,19 @@ def test_tokenizer_larger_than_vocab_is_caught_before_training(tmp_path):
   )
   _assert_one_line_error(result, "has 4096 tokens but vocab_size=100; set vocab_size>=4096")
   assert "One train step needs" not in result.stdout  # before the step's compile and memory check
+
+
+@pytest.mark.parametrize(
+  "arg, expected",
+  [
+    ("learning_rate=inf", "learning_rate=inf must be a finite number"),
+    ("learning_rate=.inf", "learning_rate=.inf must be a finite number"),
+    ("adam_eps=nan", "adam_eps=nan must be a finite number"),
+    ("data_shuffle_seed=-1", "data_shuffle_seed=-1 must be in [0, 2**32 - 1]"),
+    ("per_device_batch_size=1e-9", "= 1e-09 rows; it must make a whole number of rows, at least 1"),
+  ],
+)
+def test_values_that_used_to_fail_later_are_one_line(arg, expected):
+  with pytest.raises(ConfigError) as error:
+    tiny_config(arg)
+  assert expected in str(error.value)

@@ -74,7 +74,10 @@ def test_a_value_outside_the_schema_range_is_refused_naming_the_range(name):
   for value in _just_outside(r, integer):
     with pytest.raises(ConfigError) as error:
       _validate(**{name: value})
-    assert str(error.value) == f"{name}={value} must be {r.describe(integer)}"
+    if math.isnan(value):  # refused as it is read, as the user wrote it (.nan)
+      assert str(error.value) == f"{name}=.nan must be a finite number (e.g. 0.5 or 3e-4)"
+    else:
+      assert str(error.value) == f"{name}={value} must be {r.describe(integer)}"
 
 
 # The messages of the checks that moved into the schema, as they were before.
@@ -88,7 +91,7 @@ MESSAGES = [
   ("warmup_steps_fraction=1.5", "warmup_steps_fraction=1.5 must be in [0, 1]"),
   ("step_watchdog_factor=0.5", "step_watchdog_factor=0.5 must be >= 1"),
   ("stack_trace_interval_seconds=100000000", "stack_trace_interval_seconds=100000000 must be in [1, 604800]"),
-  ("capacity_factor=.nan", "capacity_factor=nan must be a number (<= 0: dropless; > 0: tokens per expert x that factor)"),
+  ("capacity_factor=.nan", "capacity_factor=.nan must be a finite number (e.g. 0.5 or 3e-4)"),
   ("global_parameter_scale=0", "global_parameter_scale=0 must be a power of 2 (1, 2, 4, 8, ...)"),
   ("global_parameter_scale=3", "global_parameter_scale=3 must be a power of 2 (1, 2, 4, 8, ...)"),
   ("sliding_window_size=-1", "sliding_window_size=-1 must be >= 0 (0: no window)"),
