@@ -240,6 +240,9 @@ def _derive_static(values, sources, environ):
     _set(values, sources, "learning_rate_schedule_steps", values["steps"])
   if values["steps"] == -1:
     _set(values, sources, "steps", values["learning_rate_schedule_steps"])
+  for key in ("load_parameters_path", "load_full_state_path"):  # Orbax reads absolute paths only
+    if values[key] and not _is_remote(values[key]):
+      _normalise(values, key, os.path.abspath(os.path.expanduser(values[key])))
   if values["jax_cache_dir"] and not _is_remote(values["jax_cache_dir"]):
     _normalise(values, "jax_cache_dir", os.path.expanduser(values["jax_cache_dir"]))
   if values["dataset_type"] != "synthetic" and (values["tokenize_train_data"] or values["tokenize_eval_data"]):

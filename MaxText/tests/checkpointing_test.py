@@ -173,7 +173,8 @@ def test_a_checkpoint_of_another_model_is_a_clear_error(tmp_path, change, expect
 def test_load_parameters_and_full_state(tmp_path, reference):
   ref_dir, ref = reference
   items = ref_dir / "ref" / "checkpoints" / "9" / "items"
-  result, tuned = run_train(tmp_path, "tune", "steps=2", f"load_parameters_path={items}")
+  relative = os.path.relpath(items, REPO_ROOT)  # from the cwd of train.py (Orbax itself reads absolute paths only)
+  result, tuned = run_train(tmp_path, "tune", "steps=2", f"load_parameters_path={relative}")
   _ok(result)
   assert "Loaded parameters from" in result.stdout
   assert [m["step"] for m in tuned] == [0, 1]
