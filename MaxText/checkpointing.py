@@ -458,8 +458,9 @@ class PreemptionWatcher:
   SIGTERM there) picks one step at which every process saves and stops.
   """
 
-  def __init__(self):
+  def __init__(self, saves: bool = True):
     self.signal_name = None
+    self._then = "saving a checkpoint after the current step, then stopping" if saves else "stopping after the current step"
     self._previous = {}
     if jax.process_count() == 1:
       for sig in (signal.SIGTERM, signal.SIGINT):
@@ -470,7 +471,7 @@ class PreemptionWatcher:
     self.signal_name = signal.Signals(signum).name
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if signum == signal.SIGINT:  # the loop may be far from the end of its step: say what happens, and how to hurry
-      max_logging.warn("Ctrl-C: saving a checkpoint after the current step, then stopping; Ctrl-C again interrupts at once")
+      max_logging.warn(f"Ctrl-C: {self._then}; Ctrl-C again interrupts at once")
 
   def should_stop(self, step: int) -> bool:
     if jax.process_count() > 1:

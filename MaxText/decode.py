@@ -1,6 +1,6 @@
 """Generates text from a checkpoint:
 
-    python3 MaxText/decode.py MaxText/configs/base.yml run_name=x load_parameters_path=<run>/checkpoints/<N>/items \
+    python3 MaxText/decode.py MaxText/configs/base.yml run_name=x load_parameters_path=<run>/checkpoints/<N>/items \\
         prompt="I love to" [decode_sampling_strategy=greedy|weighted|nucleus|topk] [model keys of the run...]
 
 The params come from load_parameters_path, load_full_state_path, or else the latest checkpoint of the run

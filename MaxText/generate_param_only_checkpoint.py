@@ -1,6 +1,6 @@
 """Turns a checkpoint into a params-only checkpoint for decoding or fine-tuning, in the layout you ask for.
 
-    python3 MaxText/generate_param_only_checkpoint.py MaxText/configs/base.yml run_name=decode_ckpt \
+    python3 MaxText/generate_param_only_checkpoint.py MaxText/configs/base.yml run_name=decode_ckpt \\
         load_full_state_path=<run>/checkpoints/<N>/items [force_unroll=true] [weight_dtype=bfloat16] <model keys...>
 
 Reads the params of a training checkpoint (load_full_state_path) or of a params-only one

@@ -1,7 +1,7 @@
 """Times decode.py's prefill at each prompt length and its autoregressive step, as upstream MaxText's microbenchmark:
 
-    python3 MaxText/inference_microbenchmark.py MaxText/configs/base.yml run_name=x [model keys ...] \
-      inference_microbenchmark_prefill_lengths=64,128 inference_microbenchmark_stages=prefill,generate \
+    python3 MaxText/inference_microbenchmark.py MaxText/configs/base.yml run_name=x [model keys ...] \\
+      inference_microbenchmark_prefill_lengths=64,128 inference_microbenchmark_stages=prefill,generate \\
       inference_microbenchmark_loop_iters=10 inference_microbenchmark_log_file_path=results.json
 
 The params are those decode.py reads (load_parameters_path, ..., else random: the timing does not depend on them);

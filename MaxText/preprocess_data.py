@@ -20,9 +20,9 @@ import sys
 if __package__ in (None, ""):  # Run as `python3 MaxText/preprocess_data.py`.
   sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from MaxText import pyconfig  # pylint: disable=wrong-import-position
 from MaxText.config_loader import PACKAGE_DIR  # pylint: disable=wrong-import-position
 from MaxText.errors import UserError, run_and_exit_on_user_error  # pylint: disable=wrong-import-position
+from MaxText.pyconfig import resolve_asset_path  # pylint: disable=wrong-import-position
 
 
 def _documents(path: str, column: str):
@@ -70,7 +70,7 @@ def preprocess(
     raise UserError(f"--input {inputs} matches no file")
   if num_shards < 1:
     raise UserError(f"--num_shards={num_shards} must be positive")
-  found = pyconfig.resolve_asset_path(tokenizer_path, os.path.join(PACKAGE_DIR, "configs", "base.yml"))
+  found = resolve_asset_path(tokenizer_path, os.path.join(PACKAGE_DIR, "configs", "base.yml"))
   if found is None:
     raise UserError(f"--tokenizer_path {tokenizer_path} does not exist")
   tokenizer = build_tokenizer(found, add_bos, add_eos)

@@ -386,7 +386,11 @@ HELP_FLAGS = ("-h", "--help")
 def exit_with_help_if_asked(argv: list[str]) -> None:
   """`--help` (or `-h`) anywhere after the program: prints every config key (config_schema) and exits 0, before JAX."""
   if any(arg in HELP_FLAGS for arg in argv[1:]):
-    config_schema.print_help(sys.stdout)
+    try:
+      config_schema.print_help(sys.stdout)
+      sys.stdout.flush()
+    except BrokenPipeError:  # `--help | head`: the reader has what it wanted
+      sys.stdout = None
     sys.exit(0)
 
 

@@ -40,7 +40,7 @@ class StepLoop:
     observers = numerics_log.observers(config, state.params, writer, self.start_step)
     observers += metrics_file.dir_writers(config)
     self.logger = metric_logger.MetricLogger(config, self.start_step, writer, observers)
-    self.watcher = checkpointing.PreemptionWatcher()
+    self.watcher = checkpointing.PreemptionWatcher(saves=manager is not None)
     self.diagnostics = diagnostics_loop.LoopDiagnostics(config, self.start_step)
     self.batch = None
     self.in_step = False  # while True, the state is donated to the compiled step and must not be saved

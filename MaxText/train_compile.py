@@ -1,6 +1,6 @@
 """Compiles the train step for a TPU pod or GPU cluster from any host, and says whether it fits:
 
-    python3 MaxText/train_compile.py MaxText/configs/base.yml compile_topology=v5e-256 compile_topology_num_slices=2 \
+    python3 MaxText/train_compile.py MaxText/configs/base.yml compile_topology=v5e-256 compile_topology_num_slices=2 \\
         global_parameter_scale=16 per_device_batch_size=4
 
 It prints the per-device memory analysis against the target's memory, a verdict line (`fits` with the headroom,
