@@ -428,6 +428,13 @@ def restore_data_position(config, data_iterator, data_state) -> None:
   """Puts the data iterator where the checkpoint's data was, or, with data_position_on_resume=reset, leaves it at
   the start (another dataset_type, or streamed data on another number of data shards: what resumes then is the
   model and the optimizer)."""
+  saved_type = data_state.get("dataset_type", config.dataset_type)  # checkpoints before it was saved: not checked
+  if config.data_position_on_resume != "reset" and saved_type != config.dataset_type:
+    raise UserError(
+      f"the checkpoint's data position is for dataset_type={saved_type}, this run reads dataset_type="
+      f"{config.dataset_type}: resume with the dataset_type the run was started with, or data_position_on_resume=reset "
+      "restores the model and optimizer and starts the data afresh"
+    )
   if config.data_position_on_resume == "reset":
     max_logging.log(
       "data_position_on_resume=reset: the model and optimizer are restored; the data position is not, so "
@@ -442,10 +449,16 @@ def restore_data_position(config, data_iterator, data_state) -> None:
     ) from None
 
 
-def save_checkpoint(manager, step: int, state, data_iterator) -> float:
-  """Starts saving the state after `step` (asynchronously if configured); returns the seconds the caller was blocked."""
+def save_checkpoint(manager, step: int, state, data_iterator, dataset_type: str | None = None) -> float:
+  """Starts saving the state after `step` (asynchronously if configured); returns the seconds the caller was blocked.
+
+  dataset_type: saved with the data position, so that a resume with another one is refused (restore_data_position).
+  """
   start = time.time()
-  args = {STATE_ITEM: ocp.args.StandardSave(state), DATA_ITEM: DataIteratorSave(data_iterator.get_state())}
+  data_state = data_iterator.get_state()
+  if dataset_type is not None:
+    data_state = {**data_state, "dataset_type": dataset_type}
+  args = {STATE_ITEM: ocp.args.StandardSave(state), DATA_ITEM: DataIteratorSave(data_state)}
   manager.save(step, args=ocp.args.Composite(**args), force=True)
   fault_injection.kill_during_save(step)  # a test's SIGKILL while the save is in flight
   return time.time() - start

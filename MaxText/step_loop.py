@@ -136,7 +136,7 @@ class StepLoop:
     last_step = int(state.step) - 1 if stop else step  # a stopped run's last step may have changed nothing
     if last_step not in (self.last_saved, self.start_step - 1):
       with self.diagnostics.activity("checkpoint save"):
-        blocked = checkpointing.save_checkpoint(self.manager, last_step, state, self.data_iterator)
+        blocked = checkpointing.save_checkpoint(self.manager, last_step, state, self.data_iterator, self.config.dataset_type)
       self.last_saved = last_step
       self.logger.reset_step_timer()
       max_logging.log(f"Saving the checkpoint of step {last_step} (the loop waited {blocked:.3f} s)")
@@ -176,7 +176,7 @@ class StepLoop:
         self.logger.flush()  # the step's metrics line before its checkpoint, as for every save
       except Exception:  # pylint: disable=broad-except  # logging may be what failed; the checkpoint matters more
         pass
-      checkpointing.save_checkpoint(self.manager, step, state, self.data_iterator)
+      checkpointing.save_checkpoint(self.manager, step, state, self.data_iterator, self.config.dataset_type)
       self.manager.wait_until_finished()
       max_logging.log(f"Saved the checkpoint of step {step} to {self.manager.directory}")
     except Exception as save_error:  # pylint: disable=broad-except

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from MaxText import checkpointing
-from MaxText.tests.helpers import REPO_ROOT, TRAIN_PY, read_metrics, run_train, tiny_args
+from MaxText.errors import UserError
+from MaxText.tests.helpers import REPO_ROOT, TRAIN_PY, read_metrics, run_train, tiny_args, tiny_config
 
 
 def _ok(result):
@@ -228,12 +229,21 @@ def test_resuming_with_another_dataset_type_is_a_clear_error(tmp_path):
   _ok(run_train(tmp_path, "kind", "steps=2", "dataset_type=synthetic")[0])
   result, _ = run_train(tmp_path, "kind", "steps=4")
   assert result.returncode == 2
-  assert "data position is for a synthetic pipeline but this run's dataset_type reads a rows one" in result.stderr
+  assert "data position is for dataset_type=synthetic, this run reads dataset_type=embedded" in result.stderr
   assert "or data_position_on_resume=reset restores the model and optimizer" in result.stderr
   result, metrics = run_train(tmp_path, "kind", "steps=4", "data_position_on_resume=reset")
   _ok(result)
   assert "Restored the checkpoint of step 1" in result.stdout and "the data position is not" in result.stdout
   assert [m["step"] for m in metrics] == [0, 1, 2, 3]
+
+
+def test_a_data_position_of_another_dataset_type_of_the_same_kind_is_refused():
+  """grain and embedded both resume by rows: the saved dataset_type tells them apart."""
+  config = tiny_config()  # embedded
+  grain_state = {"kind": "rows", "rows": {}, "dataset_type": "grain"}
+  with pytest.raises(UserError, match="data position is for dataset_type=grain, this run reads dataset_type=embedded"):
+    checkpointing.restore_data_position(config, None, grain_state)
+  checkpointing.restore_data_position(config.replace(data_position_on_resume="reset"), None, grain_state)  # no error
 
 
 def test_data_used_up_with_a_checkpoint_every_step(tmp_path):
