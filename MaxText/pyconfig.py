@@ -163,7 +163,8 @@ def _warn_unused_companions(values, sources):
       if sources[key] != default
     ]
     if given and not switch.is_on(values[switch.key]):
-      max_logging.warn(f"{', '.join(given)}: act only with {switch}; ignored in this run")
+      verb = "acts" if len(given) == 1 else "act"
+      max_logging.warn(f"{', '.join(given)}: {verb} only with {switch}; ignored in this run")
 
 
 # The keys that only one dataset_type reads: setting one with dataset_type left at its default chooses that type.

@@ -14,6 +14,8 @@ from MaxText.common_types import (
 from MaxText.config_keys import NON_NEGATIVE, POSITIVE, Key, On, Range
 
 _FP8 = On("quantization", "fp8")
+_KV_CACHE = On("quantize_kvcache", True)
+_MOE = On("decoder_block", "mixtral")  # the decoder blocks with a mixture of experts
 
 SECTIONS = {
   "Model": {
@@ -33,9 +35,11 @@ SECTIONS = {
     "fp8_amax_history_length": Key("Steps of amax history behind a delayed scale.", range=POSITIVE, acts_with=_FP8),
     "quantize_kvcache": Key("int8 KV cache for decoding."),
     "kv_quant_axis": Key(
-      "quantize_kvcache: a scale per token (heads_and_dkv) or per token and head (dkv).", choices=KV_QUANT_AXES
+      "quantize_kvcache: a scale per token (heads_and_dkv) or per token and head (dkv).",
+      choices=KV_QUANT_AXES,
+      acts_with=_KV_CACHE,
     ),
-    "kv_quant_dtype": Key("quantize_kvcache: the dtype of the cache.", choices=KV_QUANT_DTYPES),
+    "kv_quant_dtype": Key("quantize_kvcache: the dtype of the cache.", choices=KV_QUANT_DTYPES, acts_with=_KV_CACHE),
     # Dims
     "global_parameter_scale": Key(
       "Multiplies the base_* dims: heads and mlp, then emb, then layers grow in turn.",
@@ -55,16 +59,21 @@ SECTIONS = {
       choices=MLP_ACTIVATIONS,
     ),
     # Mixture of experts
-    "num_experts": Key("Experts (gated MLPs) per MoE layer (decoder_block mixtral).", range=POSITIVE),
-    "num_experts_per_tok": Key("Experts each token goes to (top-k); at most num_experts.", range=POSITIVE),
+    "num_experts": Key("Experts (gated MLPs) per MoE layer (decoder_block mixtral).", range=POSITIVE, acts_with=_MOE),
+    "num_experts_per_tok": Key("Experts each token goes to (top-k); at most num_experts.", range=POSITIVE, acts_with=_MOE),
     "capacity_factor": Key(
       "<= 0: dropless; > 0: an expert takes at most length x k / experts x this tokens of a sequence.",
       range=Range(says="a number (<= 0: dropless; > 0: tokens per expert x that factor)"),
+      acts_with=_MOE,
     ),
     "load_balance_loss_weight": Key(
-      "Weight of the router's load-balancing loss in the training loss (not in eval loss).", range=NON_NEGATIVE
+      "Weight of the router's load-balancing loss in the training loss (not in eval loss).",
+      range=NON_NEGATIVE,
+      acts_with=_MOE,
     ),
-    "dropout_rate": Key("Dropout rate of the decoder layers.", range=Range(0, 1, high_open=True)),
+    "dropout_rate": Key(
+      "Dropout rate of the decoder layers.", range=Range(0, 1, high_open=True), acts_with=On("enable_dropout", True)
+    ),
     "enable_dropout": Key("Apply dropout in training steps (never in eval)."),
     # Embeddings and logits
     "logits_via_embedding": Key("Tie the output projection to the token embedding."),

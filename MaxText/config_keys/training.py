@@ -1,17 +1,22 @@
 """Keys of base.yml's Checkpointing and Optimizer sections."""
 
 from MaxText.common_types import OPTIMIZERS
-from MaxText.config_keys import FRACTION, NON_NEGATIVE, POSITIVE, Key, Range
+from MaxText.config_keys import FRACTION, NON_NEGATIVE, POSITIVE, Key, On, Range
 
 _DECAY = Range(0, 1, high_open=True)
+_CHECKPOINTS = On("enable_checkpointing", True)
 
 SECTIONS = {
   "Checkpointing": {
     "enable_checkpointing": Key(
       "Save to <run_dir>/checkpoints/<step>: every checkpoint_period steps, at the last step, on SIGTERM."
     ),
-    "async_checkpointing": Key("Write in the background; the loop only waits for the device-to-host copy."),
-    "checkpoint_period": Key("Save every this many steps (from step 0), and at the last step.", range=POSITIVE),
+    "async_checkpointing": Key(
+      "Write in the background; the loop only waits for the device-to-host copy.", acts_with=_CHECKPOINTS
+    ),
+    "checkpoint_period": Key(
+      "Save every this many steps (from step 0), and at the last step.", range=POSITIVE, acts_with=_CHECKPOINTS
+    ),
     "save_checkpoint_on_completion": Key("Also save the last step; false: only every checkpoint_period (upstream 2024)."),
     "data_position_on_resume": Key(
       "restore: a resume continues the data exactly; reset: restore model and optimizer, start the data afresh.",

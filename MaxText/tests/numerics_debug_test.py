@@ -139,7 +139,7 @@ def test_low_precision_controls_that_do_nothing_are_warned_about(tmp_path, capsy
   tiny_config(f"numerics_debug_config={_write(tmp_path, scaling)}", "quantization=int8")
   assert "per_tensor_scaling applies to quantization=fp8 (quantization=int8 scales each channel)" in capsys.readouterr().err
   tiny_config("fp8_scaling=current")
-  assert "fp8_scaling=current: act only with quantization=fp8; ignored in this run" in capsys.readouterr().err
+  assert "fp8_scaling=current: acts only with quantization=fp8; ignored in this run" in capsys.readouterr().err
 
 
 # --- malformed files -------------------------------------------------------------------------------------------

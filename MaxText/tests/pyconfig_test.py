@@ -262,11 +262,11 @@ def test_keys_that_act_only_with_a_switch_are_warned_about_when_it_is_off(capsys
   assert "WARNING" not in capsys.readouterr().err
   tiny_config("stack_trace_to_cloud=true", "profiler_steps=3", "vertex_tensorboard_region=us-central1")
   err = capsys.readouterr().err
-  assert "WARNING: stack_trace_to_cloud=true: act only with collect_stack_trace=true; ignored in this run" in err
-  assert "WARNING: profiler_steps=3: act only with profiler=xplane|nsys; ignored in this run" in err
-  assert "vertex_tensorboard_region=us-central1: act only with use_vertex_tensorboard=true" in err
+  assert "WARNING: stack_trace_to_cloud=true: acts only with collect_stack_trace=true; ignored in this run" in err
+  assert "WARNING: profiler_steps=3: acts only with profiler=xplane|nsys; ignored in this run" in err
+  assert "vertex_tensorboard_region=us-central1: acts only with use_vertex_tensorboard=true" in err
   tiny_config("step_watchdog=false", "step_watchdog_min_seconds=5")
-  assert "step_watchdog_min_seconds=5: act only with step_watchdog=auto|true" in capsys.readouterr().err
+  assert "step_watchdog_min_seconds=5: acts only with step_watchdog=auto|true" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("hardware", ["gpu", "tpu"])
