@@ -36,3 +36,19 @@ def run_and_exit_on_user_error(main, argv) -> None:
   except UserError as e:
     print(f"Error: {e}", file=sys.stderr, flush=True)
     sys.exit(2)
+  except KeyboardInterrupt as e:  # Ctrl-C before the step loop, or a second one in it: where it landed, not a traceback
+    print(f"Interrupted (Ctrl-C){_where(e)}", file=sys.stderr, flush=True)
+    sys.exit(130)
+
+
+def _where(error: BaseException) -> str:
+  """' in <function> (MaxText/<file>:<line>)': the innermost frame of this project that the error passed."""
+  import os  # pylint: disable=import-outside-toplevel
+  import traceback  # pylint: disable=import-outside-toplevel
+
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  ours = [f for f in traceback.extract_tb(error.__traceback__) if f.filename.startswith(root + os.sep)]
+  if not ours:
+    return ""
+  frame = ours[-1]
+  return f" in {frame.name} ({os.path.relpath(frame.filename, root)}:{frame.lineno})"

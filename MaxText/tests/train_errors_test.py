@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 from MaxText.input_pipeline import sample_datasets, tf_example
 from MaxText.tests.helpers import run_train
 
@@ -61,3 +63,19 @@ def test_an_error_at_eval_saves_the_last_step_and_the_rerun_resumes_there(tmp_pa
   assert result.returncode == 0, result.stderr[-3000:]
   assert "Restored the checkpoint of step 4" in result.stdout
   assert [m["step"] for m in metrics] == list(range(10))
+
+
+def test_ctrl_c_outside_the_step_loop_is_one_line_naming_where(capsys):
+  """Ctrl-C during the compile (or a second one in the loop): where it landed, exit 130, no traceback."""
+  from MaxText.errors import run_and_exit_on_user_error  # pylint: disable=import-outside-toplevel
+
+  def compile_for_a_long_time(argv):
+    del argv
+    raise KeyboardInterrupt
+
+  with pytest.raises(SystemExit) as exit_info:
+    run_and_exit_on_user_error(compile_for_a_long_time, ["train.py", "base.yml"])
+  assert exit_info.value.code == 130
+  err = capsys.readouterr().err
+  assert err.startswith("Interrupted (Ctrl-C) in compile_for_a_long_time (MaxText/tests/train_errors_test.py:")
+  assert "Traceback" not in err and len(err.splitlines()) == 1
