@@ -162,6 +162,21 @@ def _check_data(v):
     raise ConfigError(f"target_eval_loss={v['target_eval_loss']} needs eval_interval > 0")
 
 
+def _check_serving_checkpoint(v):
+  """decode.py's quantized serving checkpoints (upstream's keys)."""
+  for key in ("save_quantized_params_path", "checkpoint_is_quantized"):
+    if v[key] and v["quantization"] != "int8":
+      raise ConfigError(
+        f"{key} needs quantization=int8 (the checkpoint holds int8 kernels), not quantization='{v['quantization']}'"
+      )
+  if v["checkpoint_is_quantized"] and not v["load_parameters_path"]:
+    raise ConfigError(
+      "checkpoint_is_quantized=true reads load_parameters_path: name the directory that save_quantized_params_path wrote"
+    )
+  if v["checkpoint_is_quantized"] and v["save_quantized_params_path"]:
+    raise ConfigError("save_quantized_params_path quantizes float params: not with checkpoint_is_quantized=true")
+
+
 def _check_decoding(v):
   strategy = v["decode_sampling_strategy"]
   if strategy == "nucleus" and not 0 <= v["decode_sampling_nucleus_p"] <= 1:  # 0: the top token only, as upstream
@@ -204,4 +219,5 @@ def validate_static(values: dict) -> None:
   _check_paths(values)
   _check_data(values)
   _check_decoding(values)
+  _check_serving_checkpoint(values)
   _check_diagnostics(values)

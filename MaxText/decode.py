@@ -63,6 +63,10 @@ def main(argv: list[str]) -> list[str]:
   mesh = create_device_mesh(config)
   model, abstract_params = decoding.build(config, mesh)
   params = decoding.load_params(config, model, abstract_params, mesh)
+  if config.save_quantized_params_path:
+    from MaxText import serving_checkpoint  # pylint: disable=import-outside-toplevel
+
+    serving_checkpoint.save(config, params, config.save_quantized_params_path)
   end_ids = decoding.end_token_ids(tokenizer)
   result = decoding.generate(config, model, params, mesh, prompt_ids, end_ids, valid_vocab=tokenizer.vocab_size)
   completions = [tokenizer.decode(decoding.completion(row, end_ids)) for row in result.tokens]

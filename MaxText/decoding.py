@@ -16,7 +16,7 @@ import numpy as np
 from etils import epath
 from jax.sharding import NamedSharding, PartitionSpec
 
-from MaxText import checkpointing, max_logging, sampling, sharding, train_state
+from MaxText import checkpointing, max_logging, sampling, serving_checkpoint, sharding, train_state
 from MaxText.errors import UserError
 
 # Tokens that end a completion besides the tokenizer's EOS (Llama 3: end of turn, end of text).
@@ -49,6 +49,8 @@ def latest_run_checkpoint(config) -> str | None:
 def load_params(config, model, abstract_params, mesh):
   """The params to decode with, from (in order) load_parameters_path, load_full_state_path (its params only),
   this run's latest checkpoint, or a random init (with a warning that the output is random)."""
+  if config.checkpoint_is_quantized:  # a serving checkpoint of int8 kernels and their scales
+    return serving_checkpoint.load(config, abstract_params)
   for key in ("load_parameters_path", "load_full_state_path"):
     path = getattr(config, key)
     if path:

@@ -12,8 +12,9 @@ _CACHE_LAYOUT = (
 )
 _PIPELINE = "pipeline parallelism is not implemented yet (ici_pipeline_parallelism and dcn_pipeline_parallelism are 1)"
 _SERVING_CHECKPOINTS = (
-  "quantized serving checkpoints and quantization=intmp are not implemented yet; quantization=int8 trains and "
-  "decodes with int8 GEMMs from float params (docs/low_precision.md)"
+  "quantization=intmp and per-layer quantization files are not implemented yet; quantization=int8 quantizes every "
+  "dense layer of the decoder layers, and save_quantized_params_path writes its serving checkpoint "
+  "(docs/low_precision.md)"
 )
 _OPERATIONS = "is not implemented yet (emergency checkpoints, goodput, the on-demand profiler and checkpoint loggers)"
 _JETSTREAM = "is for JetStream serving (MaxEngine), which this project does not ship; decode.py generates from a checkpoint"
@@ -62,8 +63,10 @@ SECTIONS = {
       "runs one process per host (docs/multihost.md)",
     ),
     "quant_cfg_path": Key("Upstream's per-layer quantization JSON (quantization=intmp).", refused=_SERVING_CHECKPOINTS),
-    "checkpoint_is_quantized": Key("decode.py: the params are int8 with scales.", refused=_SERVING_CHECKPOINTS),
-    "save_quantized_params_path": Key("decode.py: write int8 params and scales here.", refused=_SERVING_CHECKPOINTS),
+    "checkpoint_is_quantized": Key(
+      "decode.py: load_parameters_path holds int8 kernels with their scales (save_quantized_params_path wrote it)."
+    ),
+    "save_quantized_params_path": Key("decode.py with quantization=int8: write the params as int8 kernels and scales here."),
     "quantization_local_shard_count": Key("Upstream's AQT shard count; -1: num_slices.", refused=_SERVING_CHECKPOINTS),
     "enable_single_replica_ckpt_restoring": _operations("enable_single_replica_ckpt_restoring"),
     "enable_emergency_checkpoint": _operations("enable_emergency_checkpoint"),
