@@ -7,7 +7,6 @@ lower_train_step); for a target only the devices differ: the target's, described
 """
 
 import dataclasses
-import functools
 import os
 import re
 import time
@@ -135,9 +134,7 @@ def load_compiled_train_step(model, config, mesh, abstract_state):
   Raises:
     UserError: the file is missing, or was compiled for other shapes, config values or devices (named).
   """
-  step = functools.partial(train_step.train_step, model, config)
-  if config.max_checkify:
-    step = train_step.checkified(step, config)
+  step = train_step.step_function(model, config)
   with sharding.logical_context(mesh, config):
     compiled = compiled_step_file.load(
       config.compiled_trainstep_file, config, jax.devices(), step, abstract_state, abstract_batch(config, mesh)

@@ -428,19 +428,19 @@ def restore_data_position(config, data_iterator, data_state) -> None:
   """Puts the data iterator where the checkpoint's data was, or, with data_position_on_resume=reset, leaves it at
   the start (another dataset_type, or streamed data on another number of data shards: what resumes then is the
   model and the optimizer)."""
-  saved_type = data_state.get("dataset_type", config.dataset_type)  # checkpoints before it was saved: not checked
-  if config.data_position_on_resume != "reset" and saved_type != config.dataset_type:
-    raise UserError(
-      f"the checkpoint's data position is for dataset_type={saved_type}, this run reads dataset_type="
-      f"{config.dataset_type}: resume with the dataset_type the run was started with, or data_position_on_resume=reset "
-      "restores the model and optimizer and starts the data afresh"
-    )
   if config.data_position_on_resume == "reset":
     max_logging.log(
       "data_position_on_resume=reset: the model and optimizer are restored; the data position is not, so "
       "the data starts afresh"
     )
     return
+  saved_type = data_state.get("dataset_type", config.dataset_type)  # checkpoints before it was saved: not checked
+  if saved_type != config.dataset_type:
+    raise UserError(
+      f"the checkpoint's data position is for dataset_type={saved_type}, this run reads dataset_type="
+      f"{config.dataset_type}: resume with the dataset_type the run was started with, or data_position_on_resume=reset "
+      "restores the model and optimizer and starts the data afresh"
+    )
   try:
     data_iterator.set_state(data_state)
   except UserError as error:

@@ -4,7 +4,9 @@ Pure Python (no JAX), so that a user mistake costs a fraction of a second. Every
 it came from; `pyconfig` turns the result into the validated, derived `Config`.
 """
 
+import copy
 import difflib
+import functools
 import math
 import os
 import re
@@ -86,10 +88,23 @@ def display_path(path: str) -> str:
 
 
 def base_defaults() -> dict:
-  """The keys of MaxText/configs/base.yml and their defaults: every key's type is its default's type."""
+  """The keys of MaxText/configs/base.yml and their defaults: every key's type is its default's type.
+
+  base.yml is read once per process (the loader, the validation and --help ask); each call gets its own copy.
+  """
+  return copy.deepcopy(_read_base_defaults())
+
+
+@functools.cache
+def _read_base_defaults() -> dict:
   defaults = _read_yaml_mapping(BASE_YML)
   defaults.pop("base_config", None)
   return defaults
+
+
+def set_by_user(sources: dict, key: str) -> bool:
+  """Whether a key's value came from anywhere but base.yml's default (a config file, a preset, the command line)."""
+  return sources[key] != display_path(BASE_YML)
 
 
 def _config_chain(path: str, seen: tuple = ()) -> list[tuple[str, dict]]:
@@ -140,7 +155,7 @@ def closest_key_hint(key: str, candidates) -> str:
   return f"; did you mean '{match[0]}'?" if match else ""
 
 
-def _show(value) -> str:
+def show_value(value) -> str:
   """A value as the user wrote it: strings as they are, anything else in YAML flow style."""
   if isinstance(value, str):
     return value
@@ -150,10 +165,10 @@ def _show(value) -> str:
 def _example(default) -> str:
   """A short example of a list value, for hints: the default, or its first elements when it is long."""
   for n in range(len(default), 0, -1):
-    text = _show(default[:n])
+    text = show_value(default[:n])
     if len(text) <= 60:
       return text if n == len(default) else f"{text[:-1]}, ...]"
-  return f"[{_show(default[0])}, ...]"
+  return f"[{show_value(default[0])}, ...]"
 
 
 def _check_list_items(subject: str, value: list, default: list) -> None:
@@ -184,7 +199,7 @@ def coerce_value(key: str, value, default, where: str | None = None):
     default: the key's default in base.yml (its type is the key's type; None means any YAML value).
     where: the file the value comes from (for the message), or None for the command line and environment.
   """
-  subject = f"{key}={_show(value)}" if where is None else f"{key}: {_show(value)} in {where}"
+  subject = f"{key}={show_value(value)}" if where is None else f"{key}: {show_value(value)} in {where}"
   expected = type(default)
   if expected is str:
     if value is None:  # `key:` with nothing after it in YAML
@@ -192,7 +207,7 @@ def coerce_value(key: str, value, default, where: str | None = None):
     if key in WORD_KEYS_WITH_BOOLEANS and (isinstance(value, bool) or str(value).lower() in ("true", "false")):
       return str(value).lower()
     if not isinstance(value, str):
-      raise ConfigError(f'{subject} is not a string; quote it, e.g. "{_show(value)}"')
+      raise ConfigError(f'{subject} is not a string; quote it, e.g. "{show_value(value)}"')
     return value
   parsed = value
   if isinstance(value, str):

@@ -19,8 +19,7 @@ def _check_upstream_defaults(v):
   defaults = config_loader.base_defaults()
   for key, entry in config_schema.KEYS.items():
     if entry.refused and v[key] != defaults[key]:
-      value = str(v[key]).lower() if isinstance(v[key], bool) else v[key]
-      raise ConfigError(f"{key}={value}: {entry.refused}")
+      raise ConfigError(f"{key}={config_loader.show_value(v[key])}: {entry.refused}")
 
 
 def _check_ranges(v):

@@ -151,7 +151,7 @@ class MetricLogger:
     self._write_tensorboard(step, host)
     self.history.add(step, host)
     if self._metrics_file is not None:
-      record = {"step": float(step), "run_name": self.config.run_name, **host}
+      record = metrics_file.record(step, self.config.run_name, host)
       self._last_line = (step, record, self._metrics_file.tell())
       self._metrics_file.write(json.dumps(record) + "\n")
       self._metrics_file.flush()

@@ -1,5 +1,6 @@
-"""The metrics JSON-lines files' resume rule, shared by the metrics_file (metric_logger.py) and the numerics
-statistics (diagnostics/numerics_log.py): one JSON object a line, each with its "step" (and "run_name")."""
+"""The metrics JSON-lines files: one JSON object a line, each with its "step" (and "run_name"). Their line (record),
+the resume rule that the metrics_file (metric_logger.py) and the numerics statistics (diagnostics/numerics_log.py)
+share, and gcs_metrics' files under <run_dir>/metrics/."""
 
 import json
 import os
@@ -8,6 +9,11 @@ import jax
 from etils import epath
 
 from MaxText import max_logging
+
+
+def record(step: int, run_name: str, scalars: dict) -> dict:
+  """A step's line of the metrics_file and of gcs_metrics' files (as upstream's: "step" a float)."""
+  return {"step": float(step), "run_name": run_name, **scalars}
 
 
 def keep_lines_before(path: str, start_step: int, run_name: str | None = None) -> None:
@@ -53,7 +59,7 @@ class MetricsDirWriter:
 
   def __call__(self, step: int, scalars: dict, nested: dict) -> None:
     del nested
-    self.records.append({"step": float(step), "run_name": self.config.run_name, **scalars})
+    self.records.append(record(step, self.config.run_name, scalars))
     if (step + 1) % self.config.log_period == 0 or step == self.config.steps - 1:
       self.close()
 

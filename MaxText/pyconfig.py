@@ -155,13 +155,8 @@ def _numerics_debug(values, sources):
 
 def _warn_unused_companions(values, sources):
   """Keys set (not left at base.yml's default) while the switch they act with (config_schema) is off are warned about."""
-  default = config_loader.display_path(config_loader.BASE_YML)
   for switch, keys in config_schema.switches().items():
-    given = [
-      f"{key}={str(values[key]).lower() if isinstance(values[key], bool) else values[key]}"
-      for key in keys
-      if sources[key] != default
-    ]
+    given = [f"{key}={config_loader.show_value(values[key])}" for key in keys if config_loader.set_by_user(sources, key)]
     if given and not switch.is_on(values[switch.key]):
       verb = "acts" if len(given) == 1 else "act"
       max_logging.warn(f"{', '.join(given)}: {verb} only with {switch}; ignored in this run")
@@ -183,8 +178,8 @@ def _dataset_type_from_its_keys(values, sources):
   """Upstream's default dataset_type is tfds, ours the embedded corpus: a config that names a dataset_path (as
   upstream's scripts do) without dataset_type must not train on the built-in text. With dataset_type left at its
   default, the keys of one other type choose it (one line says so); keys of two types at once are an error."""
-  if sources["dataset_type"] != config_loader.display_path(config_loader.BASE_YML):
-    return  # chosen by the user
+  if config_loader.set_by_user(sources, "dataset_type"):
+    return
   chosen = {}
   for key, dataset_type in _DATASET_KEYS.items():
     if values[key]:
@@ -201,13 +196,12 @@ def _dataset_type_from_its_keys(values, sources):
 def _default_axes_within_mesh_axes(values, sources):
   """A mesh_axes without some of base.yml's axes (upstream's has no `expert`): data_sharding and logical_axis_rules,
   where left at their defaults, name only the axes it has. Rules that the user wrote are checked as written."""
-  base = config_loader.display_path(config_loader.BASE_YML)
   axes = set(values["mesh_axes"]) if isinstance(values["mesh_axes"], list) else None
-  if axes is None or sources["mesh_axes"] == base:
+  if axes is None or not config_loader.set_by_user(sources, "mesh_axes"):
     return
-  if sources["data_sharding"] == base:
+  if not config_loader.set_by_user(sources, "data_sharding"):
     values["data_sharding"] = [[a for a in group if a in axes] for group in values["data_sharding"]]
-  if sources["logical_axis_rules"] == base:
+  if not config_loader.set_by_user(sources, "logical_axis_rules"):
     rules = []
     for name, mapped in values["logical_axis_rules"]:
       if isinstance(mapped, list):
@@ -248,8 +242,7 @@ def _derive_static(values, sources, environ):
     _normalise(values, "jax_cache_dir", os.path.expanduser(values["jax_cache_dir"]))
   if values["dataset_type"] != "synthetic" and (values["tokenize_train_data"] or values["tokenize_eval_data"]):
     found = resolve_asset_path(values["tokenizer_path"], values["config_path"])
-    if found is None and tokenizer_assets.from_package(values["tokenizer_path"]):
-      found = tokenizer_assets.from_package(values["tokenizer_path"])
+    if found is None and (found := tokenizer_assets.from_package(values["tokenizer_path"])):
       max_logging.log(f"tokenizer_path={values['tokenizer_path']} is upstream's asset, not shipped here: using {found}")
     if found is None:
       raise ConfigError(

@@ -80,10 +80,10 @@ def train_loop(config):
     )
     if data_state is not None:
       checkpointing.restore_data_position(config, data_iterator, data_state)
-    if int(state.step) >= config.steps:
+    done = int(state.step)
+    if done >= config.steps:
       max_logging.log(
-        f"Run {config.run_name} is already complete: {int(state.step)} of steps={config.steps} done. "
-        "Raise steps to train on."
+        f"Run {config.run_name} is already complete: {done} of steps={config.steps} done. Raise steps to train on."
       )
       return state
     _log_run_start(config, state)

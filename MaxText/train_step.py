@@ -232,18 +232,24 @@ def jit_train_step(model, config, mesh, state_shardings):
   Call the result inside sharding.logical_context(mesh, config), which tracing needs. With max_checkify the step is
   checkified and returns (error, (new_state, metrics)), which aot_compile.throwing_step raises.
   """
-  step, out_shardings = functools.partial(train_step, model, config), (state_shardings, None)
+  out_shardings = (state_shardings, None)
   if config.max_checkify:
-    step, out_shardings = checkified(step, config), (None, out_shardings)
+    out_shardings = (None, out_shardings)
   return jax.jit(
-    step,
+    step_function(model, config),
     in_shardings=(state_shardings, sharding.data_sharding(config, mesh)),
     out_shardings=out_shardings,
     donate_argnums=0,
   )
 
 
-def checkified(step, config):
+def step_function(model, config):
+  """train_step of this model and config as a function of (state, batch), checkified with max_checkify."""
+  step = functools.partial(train_step, model, config)
+  return _checkified(step, config) if config.max_checkify else step
+
+
+def _checkified(step, config):
   """max_checkify: the step checks that every token id is in [0, vocab_size) (JAX clamps an out-of-bounds gather
   silently), and that no op makes a NaN or divides by zero (the error names the op and where it is)."""
 
