@@ -43,7 +43,7 @@ HARDWARE = ("auto", "cpu", "gpu", "gpu_multiprocess", "tpu")
 XLA_FLAGS_PRESETS = ("", "a3mega")  # "" = none; the flags are in xla_flag_presets.PRESETS
 JAX_DISTRIBUTED_INIT = ("auto", "always", "never")
 NONFINITE_ACTIONS = ("abort", "skip", "none")
-QUANTIZATIONS = ("", "int8", "int8w", "fp8")
+QUANTIZATIONS = ("", "int8", "int8w", "int4w", "intmp", "fp8")
 GEMMS = ("fprop", "dgrad", "wgrad")  # a dense layer's forward GEMM, and its input's and kernel's gradient GEMMs
 FP8_SCALINGS = ("delayed", "current")
 KV_QUANT_AXES = ("heads_and_dkv", "dkv")

@@ -5,7 +5,7 @@
 One line per dense layer (scanned layers expanded by index): its name (e.g. decoder.layers.4.self_attention.out,
 what layer_name_regex_pattern matches in full), its layer number (counted from 1, what layer_numbers selects),
 its type (what layer_types selects) and its kernel's shape. With numerics_debug_config=<file> it also names the
-enabled sections that select each layer, and with quantization=int8|int8w|fp8 how each layer's GEMMs run (e.g.
+enabled sections that select each layer, and with quantization=int8|int8w|int4w|intmp|fp8 how each layer's GEMMs run (e.g.
 "fp8: fprop dgrad, wgrad high"). Nothing is allocated: the model is traced on shapes only.
 """
 

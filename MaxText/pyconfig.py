@@ -27,6 +27,7 @@ from MaxText import (
 )
 from MaxText.diagnostics import numerics_config
 from MaxText.errors import ConfigError
+from MaxText.layers import quant_rules
 
 SOURCE_DERIVED = "derived"
 
@@ -124,6 +125,7 @@ def resolve_asset_path(path: str, config_path: str) -> str | None:
   if not os.path.isabs(path):
     candidates += [
       os.path.join(config_loader.PACKAGE_DIR, path),
+      os.path.join(os.path.dirname(config_loader.PACKAGE_DIR), path),  # MaxText/..., as upstream's scripts write it
       os.path.join(os.path.dirname(os.path.abspath(config_path)), path),
     ]
   for candidate in candidates:
@@ -151,6 +153,26 @@ def _numerics_debug(values, sources):
     if ignored:
       max_logging.warn(f"numerics_debug_config={path}: {ignored}; ignored in this run")
   _set(values, sources, "numerics_debug", parsed)
+
+
+def _quant_rules(values, sources):
+  """Parses quant_cfg_path once into the derived quant_rules (quant_rules.QuantRules) that quantization=intmp reads."""
+  path, parsed = values["quant_cfg_path"], None
+  if values["quantization"] == "intmp":
+    if not path:
+      raise ConfigError(
+        "quantization=intmp reads each layer's bits from quant_cfg_path: give a JSON file such as "
+        f"{config_loader.PACKAGE_DIR}/configs/quantization/mp_scale.json (or quantization=int8w|int4w for one setting)"
+      )
+    found = resolve_asset_path(path, values["config_path"])
+    if found is None or _is_remote(found):
+      raise ConfigError(
+        f"quant_cfg_path={path} does not exist (a local JSON file; tried the cwd, {config_loader.PACKAGE_DIR} and the "
+        "config's directory)"
+      )
+    _normalise(values, "quant_cfg_path", found)
+    parsed = quant_rules.load(found)
+  _set(values, sources, "quant_rules", parsed)
 
 
 def _warn_unused_companions(values, sources):
@@ -219,6 +241,7 @@ def _derive_static(values, sources, environ):
   _scaled_dims(values, sources)
   _dataset_type_from_its_keys(values, sources)
   _numerics_debug(values, sources)
+  _quant_rules(values, sources)
   _warn_unused_companions(values, sources)
   out = str(values["base_output_directory"]) or "."  # upstream's default "": the current directory
   if not _is_remote(out):
@@ -345,6 +368,7 @@ def _derive_device_values(values, sources, devices):
       f"per_device_batch_size={pdbs} gives {micro_load} rows per microbatch, which cannot be split evenly over the "
       f"{batch_shards} batch shards of data_sharding {list(values['data_sharding'][0])}"
     )
+  _check_wgrad_shards(values, num_slices, micro_load)
   eval_pdbs = values["eval_per_device_batch_size"] or pdbs
   eval_rows = num_devices * eval_pdbs
   eval_load = int(round(eval_rows)) if eval_rows >= batch_shards else num_devices
@@ -359,6 +383,18 @@ def _derive_device_values(values, sources, devices):
   _set(values, sources, "micro_batch_size_to_load", micro_load)
   _set(values, sources, "global_batch_size_to_train_on", micro_train * ga)
   _set(values, sources, "global_batch_size_to_load", micro_load * ga)
+
+
+def _check_wgrad_shards(values, num_slices: int, rows: int):
+  """int8's wgrad splits the rows into quantization_local_shard_count parts (-1: num_slices) with their own scales,
+  so they must divide the microbatch."""
+  shards = values["quantization_local_shard_count"]
+  shards = num_slices if shards == -1 else shards
+  if values["quantization"] == "int8" and shards > 1 and rows % shards:
+    raise ConfigError(
+      f"quantization_local_shard_count={shards} splits int8's wgrad over the {rows} rows of a microbatch: it must divide "
+      "them (or 1: one scale per channel; 0: wgrad in high precision)"
+    )
 
 
 def _compile_topology_devices(values) -> list:

@@ -26,7 +26,7 @@ SECTIONS = {
     "dtype": Key("Activation (compute) dtype.", choices=DTYPES),
     # Low precision
     "quantization": Key(
-      "Low-precision GEMMs of the decoder's dense layers: int8 | int8w (kernels only, fprop) | fp8; empty: off.",
+      "Low-precision GEMMs of the decoder layers: int8 | int8w, int4w (kernels) | intmp (quant_cfg_path) | fp8; empty: off.",
       choices=QUANTIZATIONS,
     ),
     "fp8_scaling": Key(

@@ -4,18 +4,13 @@ Each is accepted at upstream's default, so that upstream's configs and scripts l
 a user who sets another value reads: why it does not apply here, and what to use instead.
 """
 
-from MaxText.config_keys import POSITIVE, Key, Range
+from MaxText.config_keys import POSITIVE, Key, On, Range
 
 _CACHE_LAYOUT = (
   "the attention and KV cache layouts are fixed here (batch, sequence, heads, head_dim); their sharding follows "
   "logical_axis_rules"
 )
 _PIPELINE = "pipeline parallelism is not implemented yet (ici_pipeline_parallelism and dcn_pipeline_parallelism are 1)"
-_SERVING_CHECKPOINTS = (
-  "quantization=intmp and per-layer quantization files are not implemented yet; quantization=int8 quantizes every "
-  "dense layer of the decoder layers, and save_quantized_params_path writes its serving checkpoint "
-  "(docs/low_precision.md)"
-)
 _OPERATIONS = "is not implemented yet (emergency checkpoints, goodput, the on-demand profiler and checkpoint loggers)"
 _JETSTREAM = "is for JetStream serving (MaxEngine), which this project does not ship; decode.py generates from a checkpoint"
 
@@ -62,12 +57,19 @@ SECTIONS = {
       refused="it is for Pathways (single-controller JAX), which is not available outside Google Cloud; MaxText "
       "runs one process per host (docs/multihost.md)",
     ),
-    "quant_cfg_path": Key("Upstream's per-layer quantization JSON (quantization=intmp).", refused=_SERVING_CHECKPOINTS),
+    "quant_cfg_path": Key(
+      "quantization=intmp: a JSON from module-path regexes to {bits, scale, tile_size} (docs/low_precision.md).",
+      acts_with=On("quantization", "intmp"),
+    ),
     "checkpoint_is_quantized": Key(
       "decode.py: load_parameters_path holds int8 kernels with their scales (save_quantized_params_path wrote it)."
     ),
     "save_quantized_params_path": Key("decode.py with quantization=int8: write the params as int8 kernels and scales here."),
-    "quantization_local_shard_count": Key("Upstream's AQT shard count; -1: num_slices.", refused=_SERVING_CHECKPOINTS),
+    "quantization_local_shard_count": Key(
+      "quantization=int8: wgrad's batch in this many parts with own scales; 0: wgrad unquantized; -1: num_slices.",
+      range=Range(0, also=(-1,), says="-1 (num_slices), 0 (wgrad in high precision) or a positive number of parts"),
+      acts_with=On("quantization", "int8"),
+    ),
     "enable_single_replica_ckpt_restoring": _operations("enable_single_replica_ckpt_restoring"),
     "enable_emergency_checkpoint": _operations("enable_emergency_checkpoint"),
     "local_checkpoint_directory": _operations("local_checkpoint_directory"),

@@ -212,8 +212,8 @@ class NumericsDebugConfig:
     """Why this file's low-precision features do nothing under `quantization` (a warning), or None."""
     enabled = [s for s in self.sections if s.enabled]
     if not quantization and any(s.disable_fp8_gemm or s.disable_fp8_layer or s.per_tensor_scaling for s in enabled):
-      return "its disable_fp8_gemm, disable_fp8_layer and per_tensor_scaling apply with quantization=int8|int8w|fp8"
-    if quantization in ("int8", "int8w") and any(s.per_tensor_scaling for s in enabled):
+      return "its disable_fp8_gemm, disable_fp8_layer and per_tensor_scaling apply with a quantization (int8, fp8, ...)"
+    if quantization not in ("", "fp8") and any(s.per_tensor_scaling for s in enabled):
       return f"per_tensor_scaling applies to quantization=fp8 (quantization={quantization} scales each channel)"
     return None
 

@@ -37,7 +37,8 @@ class Gemm:
   """How the dense layers of the decoder layers multiply, built once per model (train_state.create_model).
 
   Attributes:
-    quant: quantization=int8|int8w|fp8, per layer and per GEMM (quantizations.from_config); None: lax.dot_general.
+    quant: quantization=int8|int8w|int4w|intmp|fp8, per layer and per GEMM (quantizations.from_config);
+      None: lax.dot_general.
     tap: statistics of the GEMM's operands and output gradient, called as
       tap(module, inputs, kernel, dimension_numbers, gemm, fp8_scales) (diagnostics.numerics_taps.dot_general);
       None when the run collects none. It acts only where the model is applied with TAP_COLLECTION.

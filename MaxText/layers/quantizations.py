@@ -1,8 +1,13 @@
-"""quantization=int8 | int8w | fp8: the GEMMs of the dense layers in low precision, chosen per layer and per GEMM.
+"""quantization=int8 | int8w | int4w | intmp | fp8: the GEMMs of the dense layers in low precision, chosen per layer
+and per GEMM.
 
 - int8: the forward GEMM (fprop) and both backward GEMMs (dgrad: the input's gradient, wgrad: the kernel's) take
-  int8 operands with per-channel absmax scales, through qwix's quantized-training dot_general. int8w: the
-  kernel only, in fprop (the backward GEMMs stay in high precision).
+  int8 operands with per-channel absmax scales, through qwix's quantized-training dot_general.
+  quantization_local_shard_count (upstream's AQT key; -1: num_slices) splits wgrad's batch axis into that many
+  parts, each with its own scales, so that no scale spans data held by different slices; 0 keeps wgrad in high
+  precision.
+- int8w, int4w: the kernel only, in fprop, as 8 or 4-bit integers (the backward GEMMs stay in high precision).
+  intmp: the same, with each layer's bits, clipping and tiling from quant_cfg_path (quant_rules.py).
 - fp8: E4M3 activations and kernels, E5M2 gradients (the hybrid recipe of TransformerEngine and upstream
   MaxText), one scale per tensor. fp8_scaling=delayed (the default) takes the scale from the largest amax of the
   last fp8_amax_history_length steps; fp8_scaling=current from the tensor's own amax. Each fp8 dense layer keeps
@@ -32,7 +37,8 @@ from flax.linen import fp8_ops
 from jax import lax
 
 from MaxText import common_types
-from MaxText.layers import layer_names
+from MaxText.errors import UserError
+from MaxText.layers import layer_names, quant_rules
 
 FP8_COLLECTION = "fp8_meta"
 TABLE_COLLECTION = "quantization"
@@ -50,6 +56,7 @@ class Recipe:
   low: tuple[bool, bool, bool] = (False, False, False)  # in low precision
   current: tuple[bool, bool, bool] = (False, False, False)  # fp8: current (not delayed) scaling of the operands
   margin: tuple[int, int, int] = (0, 0, 0)  # fp8 current scaling: amax * 2**margin
+  weight: quant_rules.WeightQuant = quant_rules.WeightQuant()  # the kernel's bits, clipping and tiling (int*)
 
   @property
   def high(self) -> bool:
@@ -57,6 +64,7 @@ class Recipe:
 
 
 HIGH = Recipe()
+WEIGHT_ONLY = ("int8w", "int4w", "intmp")  # the kernel alone, in fprop
 
 
 def describe(mode: str, recipe: Recipe) -> str:
@@ -65,13 +73,14 @@ def describe(mode: str, recipe: Recipe) -> str:
     return "high precision"
   low = [g for g, on in zip(GEMMS, recipe.low) if on]
   high = [g for g, on in zip(GEMMS, recipe.low) if not on]
-  text = f"{mode}: {' '.join(low)}" + (f", {' '.join(high)} high" if high and mode != "int8w" else "")
+  text = f"{mode}: {' '.join(low)}" + (f", {' '.join(high)} high" if high and mode not in WEIGHT_ONLY else "")
   current = [
     f"{g}" + (f" (margin {m})" if m else "")
     for g, on, c, m in zip(GEMMS, recipe.low, recipe.current, recipe.margin)
     if on and c
   ]
-  return text + (f"; current scaling: {' '.join(current)}" if current else "")
+  text += f"; current scaling: {' '.join(current)}" if current else ""
+  return text + (f" ({recipe.weight.describe()})" if mode in ("int4w", "intmp") else "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +91,8 @@ class Quantization:
     numerics: the run's parsed numerics debug YAML (config.numerics_debug), whose gemm_precision(name, gemm)
       chooses each GEMM's recipe.
     scanned_blocks: the scanned stack's length (0: unrolled layers).
+    weight_rules: intmp's per-layer kernel settings (quant_cfg_path); None for the other modes.
+    wgrad_shards: int8's wgrad: the batch axis in that many parts with their own scales; 0: wgrad high precision.
   """
 
   mode: str
@@ -89,6 +100,8 @@ class Quantization:
   amax_history_length: int
   numerics: object
   scanned_blocks: int
+  weight_rules: quant_rules.QuantRules | None = None
+  wgrad_shards: int = 1
 
   @property
   def fp8(self) -> bool:
@@ -101,11 +114,29 @@ class Quantization:
     low, current, margin = [], [], []
     for gemm in GEMMS:
       precision = self.numerics.gemm_precision(name, gemm)
-      low.append(precision.low_precision and (self.mode != "int8w" or gemm == "fprop"))
+      quantized = {"fprop": True, "dgrad": self.mode in ("int8", "fp8"), "wgrad": self.mode == "fp8" or self._wgrad}
+      low.append(precision.low_precision and quantized[gemm])
       use_current = self.fp8 and (self.fp8_current_scaling or precision.per_tensor_scaling)
       current.append(use_current)
       margin.append(precision.margin if self.fp8 and precision.per_tensor_scaling else 0)
-    return Recipe(tuple(low), tuple(current), tuple(margin))
+    return Recipe(tuple(low), tuple(current), tuple(margin), self._weight(name))
+
+  @property
+  def _wgrad(self) -> bool:
+    return self.mode == "int8" and self.wgrad_shards > 0
+
+  def _weight(self, name: str) -> quant_rules.WeightQuant:
+    if self.mode == "intmp":
+      return self.weight_rules.find(self.module_path(name))
+    return quant_rules.WeightQuant(bits=4 if self.mode == "int4w" else 8)
+
+  def module_path(self, name: str) -> str:
+    """The flax module path (slash-separated, as upstream's quant_cfg_path patterns match it) of the dense layer
+    `name`: decoder.layers.3.mlp.wo is decoder/layers/mlp/wo when scanned, decoder/layers_3/mlp/wo when not."""
+    parts = name.split(".")
+    if parts[1:2] == ["layers"] and len(parts) > 2 and parts[2].isdigit():
+      parts = parts[:2] + parts[3:] if self.scanned_blocks else [parts[0], f"layers_{parts[2]}", *parts[3:]]
+    return "/".join(parts)
 
   def layer_recipes(self, module_path: tuple[str, ...]) -> tuple[list[Recipe], list[int]]:
     """(the distinct recipes of a dense module, the index in them of each layer it runs for).
@@ -136,6 +167,8 @@ def from_config(config) -> Quantization | None:
     amax_history_length=config.fp8_amax_history_length,
     numerics=config.numerics_debug,
     scanned_blocks=common_types.num_blocks(config.decoder_block, config.num_decoder_layers) if config.scan_layers else 0,
+    weight_rules=config.quant_rules,
+    wgrad_shards=config.num_slices if config.quantization_local_shard_count == -1 else config.quantization_local_shard_count,
   )
 
 
@@ -173,14 +206,23 @@ def _qwix_dot_general_qt():
   return dot_general_qt
 
 
-def _int8_config(mode: str, recipe: Recipe):
+_INTEGER_TYPES = {8: jnp.int8, 4: jnp.int4}
+
+
+def _integer_config(quant: Quantization, recipe: Recipe):
   fprop, dgrad, wgrad = recipe.low
-  int8 = jnp.int8
+  int8, weight = jnp.int8, recipe.weight
   return _qwix_dot_general_qt().DotGeneralQtConfig(
-    lhs_qtype=int8 if fprop and mode == "int8" else None,
-    rhs_qtype=int8 if fprop else None,
+    lhs_qtype=int8 if fprop and quant.mode == "int8" else None,
+    rhs_qtype=_INTEGER_TYPES.get(weight.bits, f"int{weight.bits}") if fprop else None,  # qwix names int2..int7
+    rhs_calibration_method="absmax" if weight.scale == 1 else f"absmax,{weight.scale}",
+    tile_size=weight.tile_size if weight.tile_size > 0 else None,
+    # A clipped kernel (scale < 1) still gets its full gradient: the backward GEMMs see the unquantized operands.
+    disable_gradient_clipping=True,
     dlhs_grad_qtype=int8 if dgrad else None,
     drhs_grad_qtype=int8 if wgrad else None,
+    # wgrad contracts the batch (axis 0 of both its operands): a scale per part of it
+    drhs_tile_size={0: 1 / quant.wgrad_shards} if wgrad and quant.wgrad_shards > 1 else None,
     # A backward GEMM in high precision must see the operands as they were, not their int8 copies; a quantized
     # one then quantizes its own (the kernel for dgrad, the input for wgrad).
     use_original_residuals=not (fprop == dgrad == wgrad),
@@ -254,7 +296,7 @@ def _gemm(quant: Quantization, recipe: Recipe, meta, x, kernel, dims):
     return _fp8_dot(x, kernel, meta, dims, recipe)
   if recipe.high:
     return lax.dot_general(x, kernel, dims)
-  out = _qwix_dot_general_qt().dot_general_qt(x, kernel, dims, _int8_config(quant.mode, recipe))
+  out = _qwix_dot_general_qt().dot_general_qt(x, kernel, dims, _integer_config(quant, recipe))
   return out.astype(jnp.result_type(x, kernel))
 
 
@@ -298,11 +340,23 @@ def _per_layer(distinct, index, values):
   return values[0] if index is None else jnp.asarray(values)[index]
 
 
+def _check_tiles(module, distinct, size: int) -> None:
+  """A quant_cfg_path tile_size must divide the kernel's innermost contracting dimension (`size`), which it tiles."""
+  for recipe in distinct:
+    tile = recipe.weight.tile_size
+    if recipe.low[0] and tile > 0 and size % tile:
+      raise UserError(
+        f"quant_cfg_path: tile_size={tile} for {'/'.join(module.path)}, whose kernel's innermost contracting "
+        f"dimension is {size}: choose a divisor of {size}, or -1 (one scale per channel)"
+      )
+
+
 def dot_general(module, quant: Quantization | None, x, kernel, dims):
   """The GEMM of the DenseGeneral `module`: quantized as `quant` says for this layer, else lax.dot_general."""
   if quant is None or not quant.quantizes(module.path):
     return lax.dot_general(x, kernel, dims)
   distinct, meta, index = _layer(module, quant)
+  _check_tiles(module, distinct, kernel.shape[dims[0][1][-1]])
   branches = [functools.partial(_gemm, quant, recipe, meta, dims=dims) for recipe in distinct]
   if index is None:
     return branches[0](x, kernel)

@@ -63,6 +63,8 @@ def test_the_switches_are_those_the_companion_warnings_named():
     "decoder_block=mixtral": ["num_experts", "num_experts_per_tok", "capacity_factor", "load_balance_loss_weight"],
     "enable_dropout=true": ["dropout_rate"],
     "enable_checkpointing=true": ["async_checkpointing", "checkpoint_period"],
+    "quantization=intmp": ["quant_cfg_path"],
+    "quantization=int8": ["quantization_local_shard_count"],
   }
 
 
