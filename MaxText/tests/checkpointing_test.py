@@ -237,6 +237,25 @@ def test_resuming_with_another_dataset_type_is_a_clear_error(tmp_path):
   assert [m["step"] for m in metrics] == [0, 1, 2, 3]
 
 
+def test_a_grain_run_continues_on_tfds_with_a_reset_data_position(tmp_path):
+  """Upstream's test_checkpoint_compatibility.sh: train on Grain (the ArrayRecord files of a TFDS dataset), then go on
+  with dataset_type=tfds (its TFRecord twin). Refused by default; data_position_on_resume=reset restores the model and
+  optimizer and reads tfds from its start."""
+  from MaxText.input_pipeline import sample_datasets  # pylint: disable=import-outside-toplevel
+
+  flags = {k: v.split() for k, v in sample_datasets.write_all(str(tmp_path / "data"), limit=60).items()}
+  _ok(run_train(tmp_path, "compat", "steps=3", "checkpoint_period=2", *flags["grain (TFDS files)"])[0])
+  result, _ = run_train(tmp_path, "compat", "steps=5", *flags["tfds (TFRecord)"])
+  assert result.returncode == 2
+  assert "data position is for dataset_type=grain, this run reads dataset_type=tfds" in result.stderr
+  result, metrics = run_train(tmp_path, "compat", "steps=5", *flags["tfds (TFRecord)"], "data_position_on_resume=reset")
+  _ok(result)
+  assert "Restored the checkpoint of step 2" in result.stdout
+  assert "data_position_on_resume=reset: the model and optimizer are restored; the data position is not" in result.stdout
+  resumed = [m for m in metrics if m["step"] >= 3]
+  assert [m["step"] for m in resumed] == [3, 4] and all(np.isfinite(m["learning/loss"]) for m in resumed)
+
+
 def test_a_data_position_of_another_dataset_type_of_the_same_kind_is_refused():
   """grain and embedded both resume by rows: the saved dataset_type tells them apart."""
   config = tiny_config()  # embedded
