@@ -8,7 +8,8 @@ and a state of a few integers per row resumes exactly. `num_workers` processes c
 
 Sequential (TFDS TFRecord, Hugging Face streaming): one packed stream per data shard (a block of rows that
 the data sharding keeps together), over that shard's share of the data, fills the shard's rows batch after
-batch. Processes holding the same data shard read the same stream, so replicas always agree.
+batch. Processes holding the same data shard read the same stream, so replicas always agree. A TFRecord
+position saved on another number of data shards is re-split onto this run's (tfds_resplit).
 """
 
 import multiprocessing
@@ -103,9 +104,15 @@ class ShardStreamBatcher:
     num_epochs: int,
     seq_len: int,
     packing: bool = True,
+    resplit=None,
   ):
-    """open_shard_stream(k) -> open_stream(epoch, position) for packing.StreamCursor over share k of num_shards."""
+    """open_shard_stream(k) -> open_stream(epoch, position) for packing.StreamCursor over share k of num_shards.
+
+    resplit(state, num_shards, shards, num_epochs) -> {shard: stream state}: the states that resume a
+    checkpoint saved on another number of data shards (tfds_resplit.resplit); None: it is refused.
+    """
     self._num_shards, self._rows_per_shard, self._seq_len = num_shards, rows_per_shard, seq_len
+    self._num_epochs, self._resplit = num_epochs, resplit
     self._streams = {k: PackedStream(StreamCursor(open_shard_stream(k), num_epochs), seq_len, packing) for k in shards}
 
   def __iter__(self):
@@ -132,15 +139,33 @@ class ShardStreamBatcher:
 
   def set_state(self, state: dict) -> None:
     check_state_kind(state, "stream")
-    saved = state.get("shards", {})
-    if state.get("num_shards") != self._num_shards or any(str(k) not in saved for k in self._streams):
+    saved, saved_shards = state.get("shards"), state.get("num_shards")
+    if not isinstance(saved, dict) or saved_shards is None:
       raise UserError(
-        f"the checkpoint's data position is for {state.get('num_shards', 'an unknown number of')} data shards, this run "
-        f"splits each batch into {self._num_shards}: streamed data (TFRecord tfds, hf) resumes only with the same "
-        "data sharding (the product of the mesh axes in data_sharding)"
+        "the checkpoint's data position is for an unknown number of data shards (saved before positions were kept "
+        f"per data shard), this run splits each batch into {self._num_shards}: it cannot be resumed"
+      )
+    if saved_shards == self._num_shards:
+      missing = [k for k in self._streams if str(k) not in saved]
+      if missing:
+        raise UserError(
+          f"the checkpoint's data position holds no position for data shard(s) {missing} of {self._num_shards}: "
+          "a process's data file is missing from the checkpoint"
+        )
+      states = {k: saved[str(k)] for k in self._streams}
+    elif self._resplit is not None:
+      states = self._resplit(state, self._num_shards, list(self._streams), self._num_epochs)
+    else:
+      raise UserError(
+        f"the checkpoint's data position is for {saved_shards} data shards, this run splits each batch into "
+        f"{self._num_shards}: a Hugging Face stream (dataset_type=hf) cannot seek into other shards' records, so it "
+        f"resumes only with the same data sharding: resume on a mesh whose data_sharding axes multiply to {saved_shards}"
       )
     for k, stream in self._streams.items():
-      stream.set_state(saved[str(k)])
+      try:
+        stream.set_state(states[k])
+      except (KeyError, TypeError, ValueError, AttributeError):
+        raise UserError(f"the checkpoint's data position of data shard {k} is malformed: {states[k]!r:.300}") from None
 
 
 def _row_worker(make_batcher, state, out: multiprocessing.Queue, stop) -> None:

@@ -6,11 +6,13 @@ has get_state()/set_state() for exact resume from a checkpoint. When the data ru
 all-padding batches (no loss), so that every process keeps stepping until all are done.
 """
 
+import functools
+
 import jax
 
 from MaxText import max_logging, sharding
 from MaxText.errors import UserError
-from MaxText.input_pipeline import embedded_corpus, grain_source, hf_source, tfds_source
+from MaxText.input_pipeline import embedded_corpus, grain_source, hf_source, tfds_resplit, tfds_source
 from MaxText.input_pipeline.batching import RowStreamBatcher, ShardStreamBatcher, WorkerRowStreamBatcher
 from MaxText.input_pipeline.documents import DocumentDecoder
 from MaxText.input_pipeline.multihost_dataloading import GlobalBatchIterator, data_shards, describe_rows, process_rows
@@ -105,6 +107,9 @@ def local_batcher(config, mesh, train: bool, num_rows: int, processes=None):
   blocks = data_shards(data_sharding, global_shape)
   shards = [k for k, block in enumerate(blocks) if block.start in rows]
   open_shard = _shard_stream_opener(config, train, tfds_builder)
+  resplit = None  # a Hugging Face stream cannot seek: it resumes only on the same data shards
+  if tfds_builder is not None:
+    resplit = functools.partial(tfds_resplit.resplit, tfds_source.Shares(config, *tfds_builder, train))
   batcher = ShardStreamBatcher(
     lambda k: open_shard(k, len(blocks)),
     shards,
@@ -113,6 +118,7 @@ def local_batcher(config, mesh, train: bool, num_rows: int, processes=None):
     config.num_epoch if train else 1,
     config.max_target_length,
     config.packing,
+    resplit,
   )
   return batcher, rows
 
