@@ -2,13 +2,27 @@
 
 import base64
 import json
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from MaxText import mesh
 from MaxText.input_pipeline import input_pipeline_interface, sample_datasets
-from MaxText.tests.helpers import run_python, run_train, tiny_config
+from MaxText.tests.helpers import (
+  REPO_ROOT,
+  TRAIN_PY,
+  cpu_env,
+  finish_processes,
+  read_metrics,
+  run_python,
+  run_train,
+  start_cpu_processes,
+  tiny_args,
+  tiny_config,
+)
 from MaxText.tokenizer import build_tokenizer
 
 LIMIT = 300  # documents per split: enough for the tests, quick to prepare
@@ -238,6 +252,48 @@ def test_a_stream_position_resumes_only_with_the_same_data_shards():
     batcher.set_state({"kind": "stream", "num_shards": 2, "shards": {"0": {}, "1": {}}})
   with pytest.raises(UserError, match="for an unknown number of data shards"):  # a position saved before data shards
     batcher.set_state({"kind": "stream", "process": [0, 2], "stream": {}})
+
+
+def _train_command(base_dir, metrics_name, steps, *flags):
+  args = tiny_args(f"base_output_directory={base_dir}", f"metrics_file={base_dir / metrics_name}.jsonl", f"steps={steps}")
+  return [sys.executable, TRAIN_PY, "MaxText/configs/base.yml", "run_name=shards", *args, "learning_rate=1e-2", *flags]
+
+
+def _run_on_cpus(command, devices):
+  result = subprocess.run(command, cwd=REPO_ROOT, env=cpu_env(devices), capture_output=True, text=True, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return result
+
+
+@pytest.mark.slow
+def test_tfrecord_data_saved_on_2_processes_resumes_on_other_data_shards(tmp_path, data):
+  """Upstream's test_checkpoint_resharding.sh for streamed TFRecord data: saved on dcn_data 2 x ici_fsdp 4 (2
+  processes, 8 data shards), resumed on 1 process with 8 data shards (exactly) and with 2 (re-split)."""
+  _, flags = data
+  common = [*flags["tfds (TFRecord)"], "checkpoint_period=3", "learning_rate_schedule_steps=6"]
+  _run_on_cpus(_train_command(tmp_path / "reference", "m", 6, *common, "per_device_batch_size=1"), 8)
+  codes, outputs = finish_processes(
+    start_cpu_processes(_train_command(tmp_path / "saved", "m", 4, *common, "per_device_batch_size=1")), timeout=300
+  )
+  assert codes == [0, 0], "\n".join(o[-3000:] for o in outputs)
+  shutil.copytree(tmp_path / "saved", tmp_path / "resplit")
+  same = _run_on_cpus(_train_command(tmp_path / "saved", "resumed", 6, *common, "per_device_batch_size=1"), 8)
+  resplit = _run_on_cpus(_train_command(tmp_path / "resplit", "resumed", 6, *common, "per_device_batch_size=4"), 2)
+
+  losses = {run: [m["learning/loss"] for m in read_metrics(tmp_path / run / "m.jsonl")] for run in ("reference", "saved")}
+  np.testing.assert_allclose(losses["saved"], losses["reference"][:4], rtol=1e-6)
+  resumed = read_metrics(tmp_path / "saved" / "resumed.jsonl")
+  assert "Restored the checkpoint of step 3" in same.stdout and "Re-splitting" not in same.stdout
+  assert [m["step"] for m in resumed] == [4, 5]
+  np.testing.assert_allclose([m["learning/loss"] for m in resumed], losses["reference"][4:], rtol=1e-6)
+
+  assert "Restored the checkpoint of step 3" in resplit.stdout
+  assert "Re-splitting the data position of 8 data shards onto 2: this run's shard j finishes the saved shards" in (
+    resplit.stdout
+  )
+  resplit_metrics = read_metrics(tmp_path / "resplit" / "resumed.jsonl")
+  assert [m["step"] for m in resplit_metrics] == [4, 5]
+  assert all(np.isfinite(m["learning/loss"]) and m["learning/total_weights"] == 8 * 32 for m in resplit_metrics)
 
 
 def test_preprocess_refuses_to_mix_with_old_shards(tmp_path, data):
