@@ -20,6 +20,7 @@ from MaxText import (
   common_types,
   compiled_step_file,
   flops,
+  interconnect,
   max_logging,
   memory_check,
   roofline,
@@ -180,6 +181,8 @@ class Outcome:
   host_bytes: int = 0  # what the step keeps in host memory (remat_policy=minimal_offloaded)
   compiler_error: str = ""  # the compiler's out-of-memory message
   estimate: roofline.StepEstimate | None = None
+  num_collectives: int = 0
+  parse_seconds: float = 0.0
 
   @property
   def fits(self) -> bool:
@@ -276,8 +279,12 @@ def compile_for_target(config) -> Outcome:
     outcome.host_bytes = int(getattr(analysis, "host_temp_size_in_bytes", 0)) + int(
       getattr(analysis, "host_argument_size_in_bytes", 0)
     )
-  cost = _step_cost(config, mesh, compiled)
-  outcome.estimate = roofline.estimate(config, cost, target.chip.device_kind, target.chip.memory_bandwidth_gbps)
+  cost, share = _step_cost(config, mesh, compiled)
+  comm, outcome.num_collectives, outcome.parse_seconds = interconnect.communication(
+    compiled.as_text(), target, list(mesh.devices.flat), config.num_slices
+  )
+  chip = target.chip
+  outcome.estimate = roofline.estimate(config, cost, chip.device_kind, chip.memory_bandwidth_gbps, share, comm)
   return outcome
 
 
@@ -287,11 +294,12 @@ def _lowered(config, mesh):
   return setup, lower_train_step(setup.model, config, mesh, setup.abstract_state)
 
 
-def _step_cost(config, mesh, compiled) -> roofline.Cost | None:
-  """The step's cost per device; scanned layers are costed by two unrolled probes (see roofline's doc)."""
+def _step_cost(config, mesh, compiled) -> tuple[roofline.Cost | None, float]:
+  """(the step's cost per device, the layer loops' share of it); scanned layers are costed by two unrolled probes
+  (see roofline's doc); unrolled layers have no loop."""
   if not config.scan_layers:
     cost = roofline.Cost.of(compiled.cost_analysis())
-    return cost * config.gradient_accumulation_steps if cost else None
+    return (cost * config.gradient_accumulation_steps if cost else None), 0.0
   block = common_types.layers_per_block(config.decoder_block)
   probes = []
   for blocks in (1, 2):
@@ -300,10 +308,11 @@ def _step_cost(config, mesh, compiled) -> roofline.Cost | None:
       probes.append(roofline.Cost.of(_lowered(probe, mesh)[1].compile().cost_analysis()))
     except Exception as error:  # pylint: disable=broad-except  # an estimate must not fail the verdict
       max_logging.warn(f"no step-time estimate: compiling a {blocks * block}-layer probe failed: {error}")
-      return None
+      return None, 0.0
   if None in probes:
-    return None
-  return roofline.step_cost(*probes, config.num_decoder_layers // block, config.gradient_accumulation_steps)
+    return None, 0.0
+  blocks = config.num_decoder_layers // block
+  return roofline.step_cost(*probes, blocks, config.gradient_accumulation_steps), roofline.layers_share(*probes, blocks)
 
 
 def _in_gib(num_bytes: int) -> str:  # the verdict's unit, whatever the size
@@ -367,5 +376,6 @@ def report(outcome: Outcome) -> list[str]:
   lines.append(verdict(outcome))
   lines.append(flops.describe(flops.training_tflops_per_device(config)))
   if outcome.estimate is not None:
-    lines.append(outcome.estimate.describe())
+    lines.append(f"Collectives: {outcome.num_collectives} in the compiled step, read in {outcome.parse_seconds:.1f} s")
+    lines += outcome.estimate.lines()
   return lines

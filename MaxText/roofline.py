@@ -1,8 +1,15 @@
-"""A predicted step time and MFU for a compiled train step: a roofline over the compiler's cost analysis.
+"""A predicted step time and MFU for a compiled train step: compute, memory traffic and communication.
 
-A step can go no faster than its FLOPs at the device's peak, nor than its memory traffic at the device's
-bandwidth; the estimate is the larger of the two. It ignores communication and how well compute and memory
-traffic overlap, so it is an optimistic bound, labelled as an estimate wherever it is printed.
+- Compute: the compiled program's FLOPs at the chip's peak. Memory: its bytes of HBM traffic at the HBM bandwidth.
+  The two overlap (the larger is the roofline of the computation).
+- Communication: every collective of the compiled program (hlo_collectives), with its loops' trip counts, costed on
+  the target's links (interconnect: ICI rings within a slice, DCN between slices).
+- Overlap: collectives inside a loop (the scanned layers) run while the neighbouring layers compute, so only what
+  exceeds the layers' share of the computation shows; collectives outside loops (the embedding's, the final
+  gradient reductions across slices) are exposed and add to the step.
+
+The estimate assumes the compiler reaches the roofline on each side (every FLOP at peak, every byte at full
+bandwidth): it is a bound from first principles, not fitted to measurements.
 
 XLA's cost analysis counts the body of a loop once, whatever its trip count, and over-counts the memory
 traffic of a scanned body (it charges the stacked buffers it slices). So the cost of a scanned model comes from
@@ -48,6 +55,27 @@ def step_cost(one_block: Cost, two_blocks: Cost, num_blocks: int, gradient_accum
   return ((one_block - per_block) + per_block * num_blocks) * gradient_accumulation_steps
 
 
+def layers_share(one_block: Cost, two_blocks: Cost, num_blocks: int) -> float:
+  """The share of the step's FLOPs that the layer blocks do (the rest: embedding, logits, optimizer)."""
+  per_block = (two_blocks - one_block).flops * num_blocks
+  total = (one_block - (two_blocks - one_block)).flops + per_block
+  return min(max(per_block / total, 0.0), 1.0) if total > 0 else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Communication:
+  """Seconds per step of the step's collectives: within slices (ICI) or between them (DCN), in loops or not."""
+
+  ici_loop: float = 0.0
+  ici: float = 0.0
+  dcn_loop: float = 0.0
+  dcn: float = 0.0
+
+  @property
+  def loop(self) -> float:
+    return self.ici_loop + self.dcn_loop
+
+
 @dataclasses.dataclass(frozen=True)
 class StepEstimate:
   """One device's view of one train step."""
@@ -57,6 +85,8 @@ class StepEstimate:
   compiled_gbytes: float  # its memory traffic
   peak_tflops: float
   bandwidth_gbps: float
+  layers_share: float = 0.0  # of the computation, in the layer loops (where collectives hide)
+  comm: Communication = Communication()
 
   @property
   def compute_seconds(self) -> float:
@@ -67,33 +97,62 @@ class StepEstimate:
     return self.compiled_gbytes / self.bandwidth_gbps
 
   @property
-  def step_seconds(self) -> float:
+  def computation_seconds(self) -> float:
     return max(self.compute_seconds, self.memory_seconds)
 
   @property
+  def exposed_loop_seconds(self) -> float:
+    """What the loops' collectives take beyond the layers' computation they overlap with."""
+    return max(0.0, self.comm.loop - self.computation_seconds * self.layers_share)
+
+  @property
+  def step_seconds(self) -> float:
+    return self.computation_seconds + self.exposed_loop_seconds + self.comm.ici + self.comm.dcn
+
+  @property
   def bound(self) -> str:
-    return "compute" if self.compute_seconds >= self.memory_seconds else "memory bandwidth"
+    parts = {
+      "compute": self.compute_seconds,
+      "memory bandwidth": self.memory_seconds,
+      "ICI": self.comm.ici + self.comm.ici_loop,
+      "DCN": self.comm.dcn + self.comm.dcn_loop,
+    }
+    return max(parts, key=parts.get)
 
   @property
   def mfu(self) -> float:
     return self.model_tflops / (self.step_seconds * self.peak_tflops) if self.step_seconds else 0.0
 
-  def describe(self) -> str:
-    return (
-      f"Estimate (roofline over the compiler's cost analysis; ignores communication): {self.step_seconds:.3f} s per "
-      f"step, {self.bound} bound ({self.compiled_tflops:.3f} TFLOPs at {self.peak_tflops:g} TFLOP/s, "
-      f"{self.compiled_gbytes:.2f} GB at {self.bandwidth_gbps:g} GB/s), MFU {100 * self.mfu:.1f}%"
-    )
+  def lines(self) -> list[str]:
+    """The breakdown, then the `Estimate ... MFU x%` line."""
+    c = self.comm
+    return [
+      f"Step time breakdown: compute {self.compute_seconds:.3f} s ({self.compiled_tflops:.3f} TFLOPs at "
+      f"{self.peak_tflops:g} TFLOP/s), HBM {self.memory_seconds:.3f} s ({self.compiled_gbytes:.2f} GB at "
+      f"{self.bandwidth_gbps:g} GB/s), ICI {c.ici_loop + c.ici:.3f} s ({c.ici_loop:.3f} in the layer loops), "
+      f"DCN {c.dcn_loop + c.dcn:.3f} s ({c.dcn_loop:.3f} in the layer loops); the loops' collectives overlap "
+      f"{100 * self.layers_share:.0f}% of the computation, {self.exposed_loop_seconds:.3f} s of them show",
+      f"Estimate: {self.step_seconds:.3f} s per step, {self.bound} bound, MFU {100 * self.mfu:.1f}%",
+    ]
 
 
-def estimate(config, cost: Cost | None, device_kind: str, bandwidth_gbps: float) -> StepEstimate | None:
-  """The roofline estimate of one train step on one device.
+def estimate(
+  config,
+  cost: Cost | None,
+  device_kind: str,
+  bandwidth_gbps: float,
+  layers_share: float = 0.0,
+  comm: Communication | None = None,
+) -> StepEstimate | None:
+  """The estimate of one train step on one device.
 
   Args:
     config: the Config the step was compiled for.
     cost: the step's cost per device (step_cost, or Cost.of the compiled step when it has no loops).
     device_kind: the target device's kind (flops.py knows its peak); "cpu" uses flops.CPU_TFLOPS_ESTIMATE.
     bandwidth_gbps: the device's memory bandwidth (aot_targets.Chip).
+    layers_share: the share of the computation in the layer loops (layers_share()).
+    comm: the step's communication (interconnect.step_seconds); None: none.
 
   Returns:
     The estimate, or None without a cost or a known peak for the device.
@@ -109,4 +168,6 @@ def estimate(config, cost: Cost | None, device_kind: str, bandwidth_gbps: float)
     compiled_gbytes=cost.bytes / 1e9,
     peak_tflops=peak,
     bandwidth_gbps=bandwidth_gbps,
+    layers_share=layers_share,
+    comm=comm or Communication(),
   )

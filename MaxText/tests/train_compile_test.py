@@ -101,7 +101,7 @@ def test_v5e_8_report(v5e_8_outcome):
   _check_fits(v5e_8_outcome)
   text = "\n".join(aot_compile.report(v5e_8_outcome))
   for line in ("Target: v5e-8 = 8 devices (TPU v5 lite), mesh fsdp=8", "  arguments ", "  temporaries ", "  generated code ",
-               "  total ", " of 15.75 GiB", "TFLOPs per device", "Estimate (roofline"):  # fmt: skip
+               "  total ", " of 15.75 GiB", "TFLOPs per device", "Step time breakdown: compute ", "Estimate: "):  # fmt: skip
     assert line in text, text
 
 
@@ -267,3 +267,19 @@ def test_verdict_over_the_limit_without_a_compiler_error_says_where_it_comes_fro
     "Verdict: does not fit by 1.25 GiB per device on a cpu device (30.75 GiB) (by the compiler's memory analysis; "
     "this compiler does not check memory itself)"
   )
+
+
+@pytest.mark.slow  # about 25 s of compiles
+def test_an_estimate_dominated_by_the_cross_slice_gradient_reduction():
+  """2 x v5e-4 and a batch of one row per chip: the step is the float32 gradients' all-reduce across the slices,
+  each chip sending its fsdp quarter over its 3.125 GB/s of DCN. With collectives ignored it would be the roofline."""
+  dims = ["base_emb_dim=512", "base_mlp_dim=2048", "base_num_query_heads=8", "base_num_kv_heads=8", "head_dim=64"]
+  config = aot_config(
+    "compile_topology=v5e-4", "compile_topology_num_slices=2", *dims, "base_num_decoder_layers=2", "vocab_size=32768"
+  )
+  outcome = aot_compile.compile_for_target(config)
+  estimate = outcome.estimate
+  expected = 2 * (1 / 2) * (outcome.num_params * 4 / 4) / 3.125e9  # all-reduce over 2 slices of 1/4 of the params
+  assert estimate.comm.dcn + estimate.comm.dcn_loop == pytest.approx(expected, rel=0.05)
+  assert estimate.step_seconds - estimate.computation_seconds == pytest.approx(expected + estimate.comm.ici, rel=0.01)
+  assert estimate.bound == "DCN" and estimate.step_seconds > 3 * estimate.computation_seconds
