@@ -426,8 +426,9 @@ def initial_state(config, manager, abstract_state, init_fn):
 
 def restore_data_position(config, data_iterator, data_state) -> None:
   """Puts the data iterator where the checkpoint's data was, or, with data_position_on_resume=reset, leaves it at
-  the start (another dataset_type, or streamed data on another number of data shards: what resumes then is the
-  model and the optimizer)."""
+  the start (another dataset_type, or a Hugging Face stream on another number of data shards: what resumes then is
+  the model and the optimizer). TFRecord streams re-split onto another number of data shards themselves
+  (input_pipeline/tfds_resplit.py)."""
   if config.data_position_on_resume == "reset":
     max_logging.log(
       "data_position_on_resume=reset: the model and optimizer are restored; the data position is not, so "
