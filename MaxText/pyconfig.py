@@ -134,19 +134,25 @@ def resolve_asset_path(path: str, config_path: str) -> str | None:
   return None
 
 
+def _local_file(values, key: str, kind: str) -> str:
+  """The absolute path of the local file that `key` names (found as resolve_asset_path finds it), now its value."""
+  found = resolve_asset_path(values[key], values["config_path"])
+  if found is None or _is_remote(found):
+    raise ConfigError(
+      f"{key}={values[key]} does not exist (a local {kind} file; tried the cwd, {config_loader.PACKAGE_DIR} and the "
+      "config's directory)"
+    )
+  _normalise(values, key, found)
+  return found
+
+
 def _numerics_debug(values, sources):
   """Parses numerics_debug_config once into the derived numerics_debug, the typed NumericsDebugConfig that the run
   carries (empty when off); the resolved config and the compiled step's signature hold its canonical content
   (to_plain). A mistake in the file is a ConfigError naming the section and field."""
   path, parsed = values["numerics_debug_config"], numerics_config.NumericsDebugConfig()
   if path:
-    found = resolve_asset_path(path, values["config_path"])
-    if found is None or _is_remote(found):
-      raise ConfigError(
-        f"numerics_debug_config={path} does not exist (a local YAML file; tried the cwd, {config_loader.PACKAGE_DIR} "
-        "and the config's directory)"
-      )
-    _normalise(values, "numerics_debug_config", found)
+    found = _local_file(values, "numerics_debug_config", "YAML")
     blocks = common_types.num_blocks(values["decoder_block"], values["num_decoder_layers"])
     parsed = numerics_config.load(found, blocks)
     ignored = parsed.ignored_by(values["quantization"])
@@ -164,14 +170,7 @@ def _quant_rules(values, sources):
         "quantization=intmp reads each layer's bits from quant_cfg_path: give a JSON file such as "
         f"{config_loader.PACKAGE_DIR}/configs/quantization/mp_scale.json (or quantization=int8w|int4w for one setting)"
       )
-    found = resolve_asset_path(path, values["config_path"])
-    if found is None or _is_remote(found):
-      raise ConfigError(
-        f"quant_cfg_path={path} does not exist (a local JSON file; tried the cwd, {config_loader.PACKAGE_DIR} and the "
-        "config's directory)"
-      )
-    _normalise(values, "quant_cfg_path", found)
-    parsed = quant_rules.load(found)
+    parsed = quant_rules.load(_local_file(values, "quant_cfg_path", "JSON"))
   _set(values, sources, "quant_rules", parsed)
 
 
