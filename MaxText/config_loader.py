@@ -150,7 +150,17 @@ def load_config_file(path: str, defaults: dict | None = None) -> tuple[dict, dic
   return values, sources
 
 
+# Keys that older upstream MaxText configs and scripts carry, retired upstream before its base.yml that this project
+# follows: what replaced them (a close spelling would point elsewhere: enable_profiler is not enable_jax_profiler).
+RETIRED_UPSTREAM_KEYS = {
+  "enable_profiler": "upstream replaced it with profiler: profiler=xplane to profile (or nsys on GPUs), or leave it out",
+  "vocab_relative_path": "upstream replaced it with tokenizer_path: tokenizer_path=<the tokenizer file>",
+}
+
+
 def closest_key_hint(key: str, candidates) -> str:
+  if key in RETIRED_UPSTREAM_KEYS:
+    return f"; {RETIRED_UPSTREAM_KEYS[key]}"
   match = difflib.get_close_matches(key, list(candidates), n=1, cutoff=0.6)
   return f"; did you mean '{match[0]}'?" if match else ""
 

@@ -19,6 +19,7 @@ def test_it_times_prefill_and_generate_and_writes_upstreams_json(tmp_path):
     "inference_microbenchmark_prefill_lengths=8,16",
     "inference_microbenchmark_loop_iters=3",
     f"inference_microbenchmark_log_file_path={log}",
+    "inference_microbenchmark_stages=prefill,insert,generate",  # upstream's scripts name insert
   )
   result = run_python([SCRIPT, "MaxText/configs/base.yml", "run_name=mb", *args])
   assert result.returncode == 0, result.stderr[-3000:]
@@ -32,6 +33,7 @@ def test_it_times_prefill_and_generate_and_writes_upstreams_json(tmp_path):
   assert ar["global_batch_size"] == 2 and ar["step_in_ms"] > 0
   assert ar["total_throughput_tokens_per_second"] == pytest.approx(2 / (ar["step_in_ms"] / 1e3))
   assert "Prefill length 16:" in result.stdout and "AutoRegressive:" in result.stdout
+  assert "Stage insert: prefill writes the decode cache itself here" in result.stdout
 
 
 @pytest.mark.parametrize(
@@ -39,7 +41,7 @@ def test_it_times_prefill_and_generate_and_writes_upstreams_json(tmp_path):
   [
     ("inference_microbenchmark_prefill_lengths=8,x", "must be comma-separated lengths in [1, max_target_length=32]"),
     ("inference_microbenchmark_prefill_lengths=64", "must be comma-separated lengths in [1, max_target_length=32]"),
-    ("inference_microbenchmark_stages=prefill,insert", "must be stages among prefill, generate"),
+    ("inference_microbenchmark_stages=prefill,decode", "must be stages among prefill, insert, generate"),
     ("inference_microbenchmark_loop_iters=40", "generate steps after a 8-token prompt need max_target_length >= 49"),
   ],
 )
