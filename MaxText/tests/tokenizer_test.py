@@ -36,3 +36,31 @@ def test_not_a_tokenizer_is_a_clear_error(tmp_path):
   bad.write_bytes(b"not a model")
   with pytest.raises(UserError, match="is not a SentencePiece model"):
     build_tokenizer(str(bad))
+
+
+@pytest.mark.parametrize("file_format", ["tfrecord", "array_record"])
+def test_train_tokenizer_takes_upstreams_tfds_flags(tmp_path, file_format):
+  """Upstream's train_tokenizer.py flags: the text of a prepared TFDS dataset, written to assets_path/vocab_model_name."""
+  from MaxText.input_pipeline import sample_datasets  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.helpers import run_python  # pylint: disable=import-outside-toplevel
+
+  data = tmp_path / "tfds"
+  sample_datasets.write_tfds(str(data), file_format, limit=40)
+  flags = [f"--dataset_path={data}", f"--dataset_name={sample_datasets.TFDS_NAME}", "--vocab_size=1024"]
+  result = run_python(["MaxText/train_tokenizer.py", *flags, f"--assets_path={tmp_path}/assets", "--vocab_model_name=t"])
+  assert result.returncode == 0, result.stderr[-2000:]
+  tokenizer = build_tokenizer(str(tmp_path / "assets" / "t"), add_bos=False, add_eos=False)
+  text = sample_datasets.split_texts("train", 40)[0][:400]
+  assert len(tokenizer.encode(text)) < len(text) / 2  # trained on that text: its merges compress it
+  missing = run_python(["MaxText/train_tokenizer.py", f"--dataset_path={tmp_path}/none", "--dataset_name=nope"])
+  assert missing.returncode != 0 and "Error: dataset_name=nope" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_train_tokenizer_with_too_small_a_vocabulary_is_one_line(tmp_path):
+  from MaxText.tests.helpers import run_python  # pylint: disable=import-outside-toplevel
+
+  corpus = tmp_path / "a.txt"
+  corpus.write_text("".join(chr(0x4E00 + i) for i in range(600)))  # 600 distinct characters
+  result = run_python(["MaxText/train_tokenizer.py", f"--text_files={corpus}", "--vocab_size=300", f"--output={tmp_path}/t"])
+  assert result.returncode != 0 and "Traceback" not in result.stderr
+  assert "Error: SentencePiece cannot train a 300-token model on this text: Vocabulary size is smaller" in result.stderr
