@@ -16,7 +16,7 @@ import sys
 if __package__ in (None, ""):  # Run as `python3 MaxText/decode.py`: import MaxText from this checkout.
   sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from MaxText import pyconfig  # pylint: disable=wrong-import-position
+from MaxText import config_loader, pyconfig, tokenizer_assets  # pylint: disable=wrong-import-position
 from MaxText.errors import UserError, run_and_exit_on_user_error  # pylint: disable=wrong-import-position
 
 
@@ -34,10 +34,9 @@ def _tokenizer(config):
   from MaxText.tokenizer import build_tokenizer  # pylint: disable=import-outside-toplevel
 
   path = pyconfig.resolve_asset_path(config.tokenizer_path, config.config_path)
+  path = path or tokenizer_assets.from_package(config.tokenizer_path)
   if not path:
-    raise UserError(
-      f"tokenizer_path={config.tokenizer_path} does not exist (tried the cwd, MaxText/ and the config's directory)"
-    )
+    raise UserError(tokenizer_assets.missing(config.tokenizer_path, config_loader.PACKAGE_DIR))
   tokenizer = build_tokenizer(path, add_bos=config.add_bos, add_eos=False)
   if tokenizer.vocab_size > config.vocab_size:
     raise UserError(

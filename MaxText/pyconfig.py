@@ -267,10 +267,7 @@ def _derive_static(values, sources, environ):
     if found is None and (found := tokenizer_assets.from_package(values["tokenizer_path"])):
       max_logging.log(f"tokenizer_path={values['tokenizer_path']} is upstream's asset, not shipped here: using {found}")
     if found is None:
-      raise ConfigError(
-        f"tokenizer_path={values['tokenizer_path']} does not exist (tried the cwd, {config_loader.PACKAGE_DIR} "
-        f"and the config's directory){tokenizer_assets.where_to_get(values['tokenizer_path'], config_loader.PACKAGE_DIR)}"
-      )
+      raise ConfigError(tokenizer_assets.missing(values["tokenizer_path"], config_loader.PACKAGE_DIR))
     _normalise(values, "tokenizer_path", found)
   _normalise(values, "mesh_axes", tuple(values["mesh_axes"]))
   _normalise(values, "data_sharding", tuple(tuple(axes) for axes in values["data_sharding"]))

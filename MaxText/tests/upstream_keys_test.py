@@ -90,6 +90,33 @@ def test_upstream_tokenizer_assets_say_where_to_get_them(asset):
     tiny_config(f"tokenizer_path=assets/{asset}")
 
 
+@pytest.mark.parametrize(
+  "path, hint",
+  [
+    (
+      "assets/tokenizer",
+      r"upstream MaxText's asset.*save it as .*/MaxText/assets/tokenizer\. .*tokenizer_path=assets/tokenizer\.default",
+    ),
+    ("google-t5/t5-large", r"looks like a Hugging Face hub id, and MaxText never downloads: fetch it once"),
+    ("my/tokenizer", r"hub id"),
+    ("data/sub/tokenizer", r"does not exist \(tried the cwd, .* and the config's directory\)$"),  # not upstream's asset
+  ],
+)
+def test_missing_tokenizers_say_what_they_are(path, hint):
+  with pytest.raises(ConfigError, match=hint):
+    tiny_config(f"tokenizer_path={path}")
+
+
+def test_decode_with_synthetic_data_gives_the_same_tokenizer_hint(tmp_path):
+  from MaxText.tests.helpers import run_python  # pylint: disable=import-outside-toplevel
+
+  result = run_python(
+    ["MaxText/decode.py", BASE_YML, "run_name=d", "dataset_type=synthetic", "tokenizer_path=assets/tokenizer.gemma"]
+  )
+  assert result.returncode == 2 and "Traceback" not in result.stderr
+  assert "it is upstream MaxText's asset, which this project does not ship: save it as /" in result.stderr
+
+
 def test_a_package_that_ships_upstreams_tokenizer_is_used(tmp_path, monkeypatch, capsys):
   """mistral-common ships Mistral's tokenizer as data/tokenizer.model.v1: where it is installed, it is used."""
   data = tmp_path / "mistral_common" / "data"
