@@ -228,6 +228,12 @@ def _short(error: Exception) -> str:
 def _tree_metadata(path, key: str) -> dict:
   """The array-metadata tree of an Orbax PyTree checkpoint, or a UserError naming the key that pointed at it."""
   if not epath.Path(path).exists():
+    converted = epath.Path(path).parent.parent / "params"  # upstream's converters wrote OUT/0/items
+    if epath.Path(path).name == "items" and epath.Path(path).parent.name.isdigit() and converted.exists():
+      raise UserError(
+        f"{key}={path} does not exist; convert_checkpoint.py writes its params to {converted} (upstream's converters "
+        f"wrote OUT/0/items): {key}={converted}"
+      )
     raise UserError(f"{key}={path} does not exist")
   try:
     with _quiet_item_read():

@@ -1,0 +1,10 @@
+"""Upstream MaxText's llama_or_mistral_ckpt.py, which this project replaces: running it says what to run instead."""
+
+import os
+import sys
+
+if __name__ == "__main__":
+  sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  from MaxText import upstream_scripts
+
+  upstream_scripts.refuse(__file__)
