@@ -460,6 +460,8 @@ def initialize(
 
   from MaxText import cluster, jax_runtime  # pylint: disable=import-outside-toplevel
 
+  if not jax_runtime.backends_started():  # what XLA would abort on when it reads XLA_FLAGS
+    xla_flag_presets.check_user_flags(environ)
   xla_flag_presets.apply(values["xla_flags_preset"], environ)  # before a backend starts and reads XLA_FLAGS
   if for_compile_topology:
     devices = _compile_topology_devices(values)

@@ -5,6 +5,7 @@ before it looks up the devices. The user's own XLA_FLAGS are kept, and a flag th
 """
 
 from MaxText import max_logging
+from MaxText.errors import ConfigError
 
 # The XLA flags of the "Maxtext on Vertex A3 Mega" guide (shared/reference/seed-docs/vertex-a3-mega.md, "XLA Flags"),
 # tuned for a3-megagpu-8g nodes (8x H100, GPUDirect-TCPXO). Two of its flags no longer exist in the XLA of the jax
@@ -51,6 +52,26 @@ def merged_flags(user_flags: str, preset_flags) -> tuple[str, list[str]]:
   user_names = {flag_name(token) for token in user_flags.split() if token.startswith("-")}
   added = [flag for flag in preset_flags if flag_name(flag) not in user_names]
   return " ".join([user_flags.strip(), *added]).strip(), added
+
+
+# Flags of upstream's and the guides' XLA_FLAGS that the XLA of jax 0.10/0.11 no longer knows: XLA aborts every
+# process on an unknown flag (a C++ fatal error, not a Python one), so they are named before the backend starts.
+RETIRED = {
+  "xla_gpu_graph_level": "XLA replaced it with --xla_gpu_enable_command_buffer (empty, as in "
+  "--xla_gpu_enable_command_buffer=, for no CUDA graphs, which --xla_gpu_graph_level=0 meant)",
+  "xla_gpu_enable_triton_softmax_fusion": "XLA removed it with that fusion: leave it out",
+}
+
+
+def check_user_flags(environ) -> None:
+  """A ConfigError naming the first XLA_FLAGS entry that would abort XLA at backend start: a flag XLA retired, or a
+  TPU compiler flag, which belongs in LIBTPU_INIT_ARGS (libtpu reads them; XLA_FLAGS does not know them)."""
+  for token in environ.get("XLA_FLAGS", "").split():
+    name = flag_name(token)
+    if name in RETIRED:
+      raise ConfigError(f"XLA_FLAGS has {token}: {RETIRED[name]}; XLA would abort on it")
+    if name.startswith("xla_tpu_") or name == "xla_enable_async_all_gather":
+      raise ConfigError(f"XLA_FLAGS has {token}, a TPU compiler flag: put it in LIBTPU_INIT_ARGS, which libtpu reads")
 
 
 def apply(preset: str, environ) -> None:

@@ -3,6 +3,8 @@
 import os
 import re
 
+import pytest
+
 from MaxText import common_types, pyconfig, xla_flag_presets
 from MaxText.tests.helpers import BASE_YML, TRAIN_PY, run_python, tiny_args
 
@@ -69,3 +71,21 @@ def test_a_cpu_process_starts_with_the_preset_and_xla_reads_it(tmp_path):
   assert final == f"XLA_FLAGS=--xla_dump_to={dump} " + " ".join(A3MEGA)
   per_pass = [name for name in os.listdir(dump) if re.search(r"\.\d{4}\..*after_", name)]
   assert per_pass, sorted(os.listdir(dump))[:20]
+
+
+@pytest.mark.parametrize(
+  "flags, message",
+  [
+    (
+      "--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_graph_level=0",
+      "replaced it with --xla_gpu_enable_command_buffer",
+    ),
+    ("--xla_gpu_enable_triton_softmax_fusion=false", "XLA removed it with that fusion: leave it out"),
+    ("--xla_tpu_enable_data_parallel_all_reduce_opt=true", "a TPU compiler flag: put it in LIBTPU_INIT_ARGS"),
+  ],
+)
+def test_flags_xla_would_abort_on_are_one_line_before_the_backend_starts(flags, message):
+  """Each of these aborts XLA at backend start (a C++ fatal error; checked with jax 0.10.2 on CPU)."""
+  result = run_python(["MaxText/train.py", "MaxText/configs/base.yml", "run_name=x"], env_extra={"XLA_FLAGS": flags})
+  assert result.returncode == 2 and "Traceback" not in result.stderr and "Unknown flag" not in result.stderr
+  assert message in result.stderr.strip().splitlines()[-1]
