@@ -88,7 +88,18 @@ def create_checkpoint_manager(config) -> ocp.CheckpointManager | None:
     cleanup_tmp_directories=True,  # a save killed mid-write leaves a tmp dir, never a step dir
   )
   handlers = {STATE_ITEM: ocp.StandardCheckpointHandler(), DATA_ITEM: DataIteratorHandler()}
-  return ocp.CheckpointManager(config.checkpoint_dir, item_handlers=handlers, options=options)
+  logger = OrbaxEventLog() if config.enable_checkpoint_standard_logger else None
+  return ocp.CheckpointManager(config.checkpoint_dir, item_handlers=handlers, options=options, logger=logger)
+
+
+class OrbaxEventLog(ocp.logging.AbstractLogger):
+  """enable_checkpoint_standard_logger: Orbax's record of each save and restore (its step, kind and durations), one
+  line each. Orbax's own StandardLogger writes at absl's INFO level, which a run does not show."""
+
+  def log_entry(self, entry, *args, **kwargs):
+    del args, kwargs
+    fields = {k: v for k, v in entry.items() if v is not None} if isinstance(entry, dict) else {"event": entry}
+    max_logging.log(f"Orbax checkpoint event: {json.dumps(fields, default=str, sort_keys=True)}")
 
 
 def _flat_shapes(tree, prefix: str) -> dict[str, tuple]:

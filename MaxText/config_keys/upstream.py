@@ -75,7 +75,9 @@ SECTIONS = {
     "local_checkpoint_directory": _operations("local_checkpoint_directory"),
     "local_checkpoint_period": _operations("local_checkpoint_period"),
     "enable_checkpoint_cloud_logger": _operations("enable_checkpoint_cloud_logger"),
-    "enable_checkpoint_standard_logger": _operations("enable_checkpoint_standard_logger"),
+    "enable_checkpoint_standard_logger": Key(
+      "Log Orbax's checkpoint events (saves, restores, durations) with Python logging."
+    ),
     "expansion_factor_real_data": Key(
       "Upstream: hosts that load data for others; here every process loads its own rows.",
       refused="every process loads its own rows of the global batch here (docs/data.md); no process loads for others",
@@ -93,8 +95,10 @@ SECTIONS = {
     "inference_metadata_file": Key("Upstream's JetStream metadata.", refused=f"inference_metadata_file {_JETSTREAM}"),
     "enable_model_warmup": Key("Upstream's JetStream warm-up.", refused=f"enable_model_warmup {_JETSTREAM}"),
     "prometheus_port": Key("Upstream's JetStream metrics port.", refused=f"prometheus_port {_JETSTREAM}"),
-    "enable_jax_profiler": _operations("enable_jax_profiler"),
-    "jax_profiler_port": _operations("jax_profiler_port"),
+    "enable_jax_profiler": Key("A profiler server for the run, to capture traces from on demand (jax.collect_profile)."),
+    "jax_profiler_port": Key(
+      "The profiler server's port.", range=Range(1, 65535), acts_with=On("enable_jax_profiler", True)
+    ),
     "gcs_metrics": Key(
       "Write the steps' metrics as JSON lines to <run_dir>/metrics/metrics_step_<a>_to_step_<b>.txt, every log_period."
     ),

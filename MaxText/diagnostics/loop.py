@@ -13,6 +13,7 @@ class LoopDiagnostics:
 
   def __init__(self, config, start_step: int):
     self.profiler = profiler.Profiler(config, start_step)
+    self.profiler_server = profiler.start_server(config)
     self.watchdog = watchdog.create(config, start_step)
 
   @contextlib.contextmanager
@@ -35,5 +36,7 @@ class LoopDiagnostics:
 
   def close(self) -> None:
     self.profiler.stop()
+    if self.profiler_server is not None:
+      jax.profiler.stop_server()
     if self.watchdog is not None:
       self.watchdog.close()

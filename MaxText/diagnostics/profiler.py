@@ -1,4 +1,5 @@
-"""Profiles of chosen train steps: profiler=xplane (jax.profiler) or nsys (NVIDIA Nsight Systems' capture range).
+"""Profiles of chosen train steps: profiler=xplane (jax.profiler) or nsys (NVIDIA Nsight Systems' capture range);
+and, with enable_jax_profiler, a profiler server that a user captures from while the run goes on (start_server).
 
 xplane writes <tensorboard_dir>/plugins/profile/<time>/<host>.xplane.pb, the layout that TensorBoard's profile
 plugin and the standalone XProf server (package xprof) list as a run. nsys calls cudaProfilerStart/Stop through
@@ -36,6 +37,25 @@ def load_cudart():
     except OSError:
       continue
   return None
+
+
+def start_server(config):
+  """enable_jax_profiler: jax's profiler server on jax_profiler_port for the rest of the process, so that a trace can
+  be captured on demand; None when off, or when the port cannot be taken (a warning: the run goes on)."""
+  if not config.enable_jax_profiler:
+    return None
+  port = config.jax_profiler_port
+  try:
+    server = jax.profiler.start_server(port)
+  except Exception as e:  # pylint: disable=broad-except  # the port is taken, or the profiler is missing
+    max_logging.warn(f"enable_jax_profiler: no profiler server on port {port}: {' '.join(str(e).split())[:200]}")
+    return None
+  max_logging.log(
+    f"Profiler server on port {port} (process {jax.process_index()}): capture a trace while the run goes on with "
+    f"`python3 -m jax.collect_profile {port} 2000 --log_dir DIR`, or TensorBoard's profile plugin (Capture profile, "
+    f"localhost:{port})"
+  )
+  return server
 
 
 class Profiler:

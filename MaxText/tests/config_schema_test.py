@@ -65,6 +65,7 @@ def test_the_switches_are_those_the_companion_warnings_named():
     "enable_checkpointing=true": ["async_checkpointing", "checkpoint_period"],
     "quantization=intmp": ["quant_cfg_path"],
     "quantization=int8": ["quantization_local_shard_count"],
+    "enable_jax_profiler=true": ["jax_profiler_port"],
   }
 
 
