@@ -105,6 +105,9 @@ class MetricLogger:
       self.writer.flush()
     self.history.add(step, metrics)
     self._add_to_last_line(step, metrics)
+    for observer in self.observers:
+      if hasattr(observer, "log_eval"):  # an observer that logs evals too (wandb_log)
+        observer.log_eval(step, metrics)
 
   def _add_to_last_line(self, step: int, metrics: dict) -> None:
     """An eval's metrics join the metrics-file line of the step it follows: the file keeps one line per step."""

@@ -5,7 +5,7 @@ A step reads top to bottom in StepLoop.run: the step and its metrics, the stop c
 when due. The metric logger reports the steps; this loop decides when training stops.
 """
 
-from MaxText import checkpointing, evaluation, max_logging, metric_logger, metrics_file, sharding, train_step
+from MaxText import checkpointing, evaluation, max_logging, metric_logger, metrics_file, sharding, train_step, wandb_log
 from MaxText.diagnostics import loop as diagnostics_loop
 from MaxText.diagnostics import nonfinite, numerics_log, plots
 from MaxText.errors import UserError
@@ -39,6 +39,7 @@ class StepLoop:
     self.nonfinite = nonfinite.host_check(config, state.params)
     observers = numerics_log.observers(config, state.params, writer, self.start_step)
     observers += metrics_file.dir_writers(config)
+    observers += wandb_log.writers(config)
     self.logger = metric_logger.MetricLogger(config, self.start_step, writer, observers)
     self.watcher = checkpointing.PreemptionWatcher(saves=manager is not None)
     self.diagnostics = diagnostics_loop.LoopDiagnostics(config, self.start_step)

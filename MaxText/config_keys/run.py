@@ -16,6 +16,7 @@ _STACK_TRACES = On("collect_stack_trace", True)
 _WATCHDOG = On("step_watchdog", "auto", "true")
 _PROFILER = On("profiler", "xplane", "nsys")
 _VERTEX = On("use_vertex_tensorboard", True)
+_WANDB = On("enable_wandb", True)
 
 SECTIONS = {
   "Run": {
@@ -70,6 +71,10 @@ SECTIONS = {
     "vertex_tensorboard_region": Key(
       "The Vertex AI region, e.g. us-central1; required with use_vertex_tensorboard.", acts_with=_VERTEX
     ),
+    # Weights & Biases
+    "enable_wandb": Key("Log the step and eval metrics to Weights & Biases (process 0); needs `pip install wandb`."),
+    "wandb_project": Key("The W&B project; empty: maxtext.", acts_with=_WANDB),
+    "wandb_run_name": Key("The W&B run's name (and id, so that a resume continues it); empty: run_name.", acts_with=_WANDB),
     # Multi-process jobs
     "jax_distributed_init": Key(
       "jax.distributed: auto (when the environment describes a multi-process job) | always | never.",

@@ -2,6 +2,8 @@
 
 import socket
 
+import pytest
+
 from MaxText.diagnostics import loop as diagnostics_loop
 from MaxText.tests.helpers import run_train, tiny_config
 
@@ -47,3 +49,58 @@ def test_the_checkpoint_standard_logger_logs_each_save_and_restore(tmp_path):
   assert any('"event_type": "restore"' in line for line in restored.stdout.splitlines())
   quiet, _ = run_train(tmp_path, "quiet", "steps=1")
   assert "Orbax checkpoint event" not in quiet.stdout
+
+
+def _wandb_history(run_file) -> list[dict]:
+  """The history records of an offline W&B run file: LevelDB-log blocks of protobuf Records after a 7-byte header
+  (wandb 0.31 has no Python reader of its own)."""
+  import json  # pylint: disable=import-outside-toplevel
+  import struct  # pylint: disable=import-outside-toplevel
+
+  from wandb.proto import wandb_internal_pb2  # pylint: disable=import-outside-toplevel
+
+  data, pos, block, records, pending = run_file.read_bytes(), 7, 32768, [], b""
+  while pos + 7 <= len(data):
+    if block - pos % block < 7:  # a block's tail too short for a header is padding
+      pos += block - pos % block
+      continue
+    _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+    chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+    if kind == 1:  # a whole record
+      records.append(chunk)
+    elif kind in (2, 3):  # its first or middle part
+      pending += chunk
+    elif kind == 4:  # its last part
+      records.append(pending + chunk)
+      pending = b""
+  history = []
+  for raw in records:
+    record = wandb_internal_pb2.Record()
+    record.ParseFromString(raw)
+    if record.WhichOneof("record_type") == "history":
+      history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item})
+  return history
+
+
+def test_wandb_offline_writes_the_runs_step_and_eval_metrics(tmp_path):
+  pytest.importorskip("wandb")
+  result, metrics = run_train(
+    tmp_path, "wb", "steps=4", "enable_wandb=true", "eval_interval=2", "eval_steps=1", env={"WANDB_MODE": "offline"}
+  )
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert "Weights & Biases: run wb (" in result.stdout
+  run_files = list((tmp_path / "wb" / "wandb").glob("offline-run-*/run-*.wandb"))
+  assert len(run_files) == 1
+  history = _wandb_history(run_files[0])
+  assert [h["_step"] for h in history] == [0, 1, 2, 3]
+  assert [h["learning/loss"] for h in history] == [m["learning/loss"] for m in metrics]
+  assert [h["_step"] for h in history if "eval/loss" in h] == [1, 3]
+
+
+def test_enable_wandb_without_wandb_is_one_line(tmp_path):
+  fake = tmp_path / "no_wandb" / "wandb"
+  fake.mkdir(parents=True)
+  (fake / "__init__.py").write_text("raise ImportError('not installed')\n")
+  result, _ = run_train(tmp_path, "nowb", "steps=1", "enable_wandb=true", env={"PYTHONPATH": str(fake.parent)})
+  assert result.returncode == 2 and "Traceback" not in result.stderr
+  assert "enable_wandb=true needs the wandb package: pip install wandb" in result.stderr
