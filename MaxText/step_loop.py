@@ -5,13 +5,16 @@ A step reads top to bottom in StepLoop.run: the step and its metrics, the stop c
 when due. The metric logger reports the steps; this loop decides when training stops.
 """
 
+import time
+
 from MaxText import checkpointing, evaluation, max_logging, metric_logger, metrics_file, sharding, train_step, wandb_log
+from MaxText import goodput as goodput_events
 from MaxText.diagnostics import loop as diagnostics_loop
 from MaxText.diagnostics import nonfinite, numerics_log, plots
 from MaxText.errors import UserError
 
 
-def run_steps(config, mesh, model, state, state_shardings, p_train_step, data_iterator, manager):
+def run_steps(config, mesh, model, state, state_shardings, p_train_step, data_iterator, manager, goodput=None):
   """Trains from state.step to config.steps (or an early stop) and returns the last state.
 
   Args:
@@ -21,15 +24,19 @@ def run_steps(config, mesh, model, state, state_shardings, p_train_step, data_it
     p_train_step: the compiled step, called (state, batch) -> (new state, metrics); it donates `state`.
     data_iterator: the train batches; checkpoints save its state.
     manager: the Orbax checkpoint manager, or None when checkpointing is off.
+    goodput: the run's goodput.Recorder (steps, saves, evals), or None.
   """
-  return StepLoop(config, mesh, model, state, state_shardings, p_train_step, data_iterator, manager).run(state)
+  loop = StepLoop(config, mesh, model, state, state_shardings, p_train_step, data_iterator, manager, goodput)
+  return loop.run(state)
 
 
 class StepLoop:
   """One run of the step loop."""
 
-  def __init__(self, config, mesh, model, state, state_shardings, p_train_step, data_iterator, manager):
+  def __init__(self, config, mesh, model, state, state_shardings, p_train_step, data_iterator, manager, goodput=None):
     self.config, self.mesh, self.data_iterator, self.manager = config, mesh, data_iterator, manager
+    self.goodput = goodput if goodput is not None else goodput_events.recorder_off()
+    self._timing = None  # (step, its start, its data wait): the open step, for goodput's step times
     self.p_train_step = p_train_step
     self.p_eval_step = None
     if config.eval_interval > 0:
@@ -62,6 +69,7 @@ class StepLoop:
           if stop:
             break
         self._note(self.logger.flush())  # the last step's checks
+        self._end_step()
     except Exception as error:
       # Eval, data, logging: an error outside the compiled step keeps what was trained since the last checkpoint.
       # A non-finite step (nonfinite_action=abort) saves nothing: the last checkpoint is the last good state.
@@ -77,10 +85,21 @@ class StepLoop:
     self._finish(state, stop)
     return state
 
+  def _end_step(self) -> None:
+    """Goodput: the open step took from its start until now (its metrics were flushed, or the next step starts)."""
+    if self._timing is not None:
+      step, started, data = self._timing
+      self.goodput.step(step, time.perf_counter() - started, data)
+      self._timing = None
+
   def _train_step(self, step: int, state):
+    self._end_step()
+    started, data = time.perf_counter(), 0.0
     with self.diagnostics.step(step, state):
       if self.batch is None or not self.config.reuse_example_batch:
         self.batch = next(self.data_iterator)
+        data = time.perf_counter() - started
+      self._timing = (step, started, data)
       self.in_step = True
       state, metrics = self.p_train_step(state, self.batch)
       self.in_step = False
@@ -114,8 +133,11 @@ class StepLoop:
   def _evaluate(self, step: int, state) -> str | None:
     """Evaluates the params after `step`; returns a stop reason when the eval loss reached target_eval_loss."""
     self._note(self.logger.flush())
+    self._end_step()
+    started = time.perf_counter()
     with self.diagnostics.activity("eval"):
       metrics = evaluation.evaluate(self.config, self.mesh, self.p_eval_step, state.params)
+    self.goodput.phase("eval", time.perf_counter() - started)
     self.logger.write_eval(step, metrics)
     self.logger.reset_step_timer()
     target = self.config.target_eval_loss
@@ -133,11 +155,13 @@ class StepLoop:
     Returns the stop reason, which the step's metrics, written first, can add (the data ran out).
     """
     self._note(self.logger.flush())  # the step's metrics line is written before its checkpoint can commit
+    self._end_step()
     stop = stop or (self._used_up() if self.out_of_data else None)
     last_step = int(state.step) - 1 if stop else step  # a stopped run's last step may have changed nothing
     if last_step not in (self.last_saved, self.start_step - 1):
       with self.diagnostics.activity("checkpoint save"):
         blocked = checkpointing.save_checkpoint(self.manager, last_step, state, self.data_iterator, self.config.dataset_type)
+      self.goodput.phase("checkpoint_save", blocked)
       self.last_saved = last_step
       self.logger.reset_step_timer()
       max_logging.log(f"Saving the checkpoint of step {last_step} (the loop waited {blocked:.3f} s)")

@@ -7,6 +7,7 @@ console, TensorBoard and an optional metrics file.
 
 import os
 import sys
+import time
 
 if __package__ in (None, ""):  # Run as `python3 MaxText/train.py`: import MaxText from this checkout.
   sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,23 +56,28 @@ def _prepare_run_dir(config) -> None:
 def train_loop(config):
   """Trains until config.steps (or an early stop: step_loop) and returns the final train state."""
   # pylint: disable=import-outside-toplevel
-  from MaxText import aot_compile, checkpointing, max_logging, step_loop, train_state
+  from MaxText import aot_compile, checkpointing, goodput, max_logging, step_loop, train_state
   from MaxText.evaluation import check_eval_data
   from MaxText.input_pipeline.input_pipeline_interface import create_data_iterator
   from MaxText.mesh import create_device_mesh
 
   _prepare_run_dir(config)
+  events = goodput.recorder(config)
+  events.event("job_start")
   mesh = create_device_mesh(config)
   check_eval_data(config, mesh)  # a wrong eval split, glob or file stops the run now, not at step eval_interval
   setup = train_state.build(config, mesh)
   data_iterator = create_data_iterator(config, mesh)  # data and tokenizer mistakes stop the run before the compile
   manager = None
   try:
+    started = time.perf_counter()
     if config.compiled_trainstep_file:  # compiled ahead of time by train_compile.py
       p_train_step = aot_compile.load_compiled_train_step(setup.model, config, mesh, setup.abstract_state)
     else:  # Pre-flight: compile the step and check its memory before the state is allocated or restored.
       p_train_step = aot_compile.compile_train_step(setup.model, config, mesh, setup.abstract_state)
+    events.phase("compile", time.perf_counter() - started)
     manager = checkpointing.create_checkpoint_manager(config)
+    started = time.perf_counter()
     state, data_state = checkpointing.initial_state(
       config,
       manager,
@@ -81,17 +87,24 @@ def train_loop(config):
     if data_state is not None:
       checkpointing.restore_data_position(config, data_iterator, data_state)
     done = int(state.step)
+    if done > 0:
+      events.phase("restore", time.perf_counter() - started)
+    events.event("resume", step=done)
     if done >= config.steps:
       max_logging.log(
         f"Run {config.run_name} is already complete: {done} of steps={config.steps} done. Raise steps to train on."
       )
       return state
     _log_run_start(config, state)
-    return step_loop.run_steps(config, mesh, setup.model, state, setup.state_shardings, p_train_step, data_iterator, manager)
+    loop_args = (setup.model, state, setup.state_shardings, p_train_step, data_iterator, manager, events)
+    return step_loop.run_steps(config, mesh, *loop_args)
   finally:
     data_iterator.close()
     if manager is not None:
       manager.close()  # waits for a save in flight, also when the loop failed
+    events.event("job_end")
+    if config.enable_goodput_recording:
+      goodput.log_report(config)
 
 
 def main(argv: list[str]) -> None:

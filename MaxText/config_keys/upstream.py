@@ -15,6 +15,9 @@ _OPERATIONS = "is not implemented yet (emergency checkpoints, goodput, the on-de
 _JETSTREAM = "is for JetStream serving (MaxEngine), which this project does not ship; decode.py generates from a checkpoint"
 
 
+_GOODPUT = On("enable_goodput_recording", True)
+
+
 def _operations(feature: str) -> Key:
   return Key(f"Upstream's {feature}; not implemented here.", refused=f"{feature} {_OPERATIONS}")
 
@@ -106,9 +109,13 @@ SECTIONS = {
     "max_checkify": Key(
       "Checkify the train step: an out-of-bounds index or a NaN stops the run, naming the op and the step (slower)."
     ),
-    "enable_goodput_recording": _operations("enable_goodput_recording"),
-    "monitor_goodput": _operations("monitor_goodput"),
-    "goodput_upload_interval_seconds": _operations("goodput_upload_interval_seconds"),
+    "enable_goodput_recording": Key(
+      "Record the run's events to <run_dir>/goodput/events.jsonl; MaxText/goodput.py RUN_DIR reports goodput."
+    ),
+    "monitor_goodput": Key("Log the goodput so far every goodput_upload_interval_seconds.", acts_with=_GOODPUT),
+    "goodput_upload_interval_seconds": Key(
+      "monitor_goodput: seconds between two goodput lines.", range=POSITIVE, acts_with=_GOODPUT
+    ),
     "hf_access_token": Key(
       "A Hugging Face token for gated hub datasets (dataset_type=hf); empty: none, or the HF_TOKEN environment.",
     ),

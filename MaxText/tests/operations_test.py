@@ -5,7 +5,7 @@ import socket
 import pytest
 
 from MaxText.diagnostics import loop as diagnostics_loop
-from MaxText.tests.helpers import run_train, tiny_config
+from MaxText.tests.helpers import run_python, run_train, tiny_config
 
 
 def _free_port() -> int:
@@ -104,3 +104,26 @@ def test_enable_wandb_without_wandb_is_one_line(tmp_path):
   result, _ = run_train(tmp_path, "nowb", "steps=1", "enable_wandb=true", env={"PYTHONPATH": str(fake.parent)})
   assert result.returncode == 2 and "Traceback" not in result.stderr
   assert "enable_wandb=true needs the wandb package: pip install wandb" in result.stderr
+
+
+def test_goodput_of_a_run_killed_once_and_resumed(tmp_path):
+  """Killed while saving step 6 (checkpoints 0 and 3 are complete), then resumed from 3: steps 4-6 ran twice."""
+  from MaxText import goodput  # pylint: disable=import-outside-toplevel
+
+  flags = ("steps=9", "checkpoint_period=3", "enable_goodput_recording=true")
+  killed, _ = run_train(tmp_path, "gp", *flags, env={"MAXTEXT_FAULT_INJECTION": "kill_during_save:6"})
+  assert killed.returncode != 0
+  resumed, _ = run_train(tmp_path, "gp", *flags)
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  assert "Restored the checkpoint of step 3" in resumed.stdout
+  events = goodput.read(tmp_path / "gp" / goodput.EVENTS)
+  report = goodput.report(events)
+  assert report.attempts == 2 and report.lost_steps == 3  # steps 4, 5 and 6 of the killed attempt
+  assert 0 < report.goodput < 1 and report.badput["lost"] > 0 and report.badput["compile"] > 0
+  assert report.badput["restore"] > 0 and report.badput["checkpoint_save"] > 0
+  assert report.productive + sum(report.badput.values()) == pytest.approx(report.wall, rel=1e-6)
+  assert f"Goodput {100 * report.goodput:.1f}% over 2 attempt(s)" in resumed.stdout  # the end-of-run report
+  cli = run_python(["MaxText/goodput.py", str(tmp_path / "gp")])
+  assert cli.returncode == 0 and "badput, steps lost to a restart: " in cli.stdout and ", 3 step(s)" in cli.stdout
+  missing = run_python(["MaxText/goodput.py", str(tmp_path / "nothing")])
+  assert missing.returncode == 2 and "was the run recorded with enable_goodput_recording=true?" in missing.stderr
