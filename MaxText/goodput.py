@@ -43,7 +43,7 @@ class Recorder:
 
     self.path = epath.Path(run_dir) / EVENTS
     self.path.parent.mkdir(parents=True, exist_ok=True)
-    self._monitor_every, self._last_report = None, time.monotonic()
+    self._monitor_every, self._last_report = None, None  # monitor_goodput: the first step reports, then every interval
 
   def event(self, kind: str, **fields) -> None:
     line = json.dumps({"event": kind, "time": time.time(), **fields}) + "\n"
@@ -55,7 +55,8 @@ class Recorder:
 
   def step(self, step: int, seconds: float, data_seconds: float) -> None:
     self.event("step", step=step, seconds=seconds, data_seconds=data_seconds)
-    if self._monitor_every is not None and time.monotonic() - self._last_report >= self._monitor_every:
+    due = self._last_report is None or time.monotonic() - self._last_report >= (self._monitor_every or 0)
+    if self._monitor_every is not None and due:
       self._last_report = time.monotonic()
       from MaxText import max_logging  # pylint: disable=import-outside-toplevel
 

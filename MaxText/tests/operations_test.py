@@ -1,5 +1,6 @@
 """Operations of long runs: the on-demand profiler server and Orbax's checkpoint event log."""
 
+import re
 import socket
 
 import pytest
@@ -127,3 +128,10 @@ def test_goodput_of_a_run_killed_once_and_resumed(tmp_path):
   assert cli.returncode == 0 and "badput, steps lost to a restart: " in cli.stdout and ", 3 step(s)" in cli.stdout
   missing = run_python(["MaxText/goodput.py", str(tmp_path / "nothing")])
   assert missing.returncode == 2 and "was the run recorded with enable_goodput_recording=true?" in missing.stderr
+
+
+def test_monitor_goodput_logs_the_goodput_so_far(tmp_path):
+  flags = ("steps=4", "enable_goodput_recording=true", "monitor_goodput=true", "goodput_upload_interval_seconds=1")
+  result, _ = run_train(tmp_path, "mon", *flags, env={"MAXTEXT_FAULT_INJECTION": ""})
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert re.search(r"^Goodput so far: \d+\.\d%$", result.stdout, re.M)
