@@ -9,8 +9,8 @@ productive step time (steps that no later attempt re-ran, less their data waits)
 checkpoint restore, checkpoint saves, evals, data input, steps lost to a restart (steps that a later attempt re-ran
 from its checkpoint), the time between a killed attempt's last event and the next start, and the rest of each
 attempt (initialisation, logging), so that the figures add up to the wall time. monitor_goodput logs the goodput so
-far every goodput_upload_interval_seconds. ml-goodput-measurement records to Google Cloud Logging; this file works
-anywhere the run directory is (local, gs://).
+far every goodput_upload_interval_seconds. ml-goodput-measurement records to Google Cloud Logging; this file needs a
+local (or mounted) run directory, since it is appended to.
 """
 
 import json
@@ -36,27 +36,41 @@ CAUSES = {  # badput causes in report order: (key, label)
 
 
 class Recorder:
-  """Appends a run's events to <run_dir>/goodput/events.jsonl (process 0 only: see recorder())."""
+  """Appends a run's events to <run_dir>/goodput/events.jsonl (process 0 only: see recorder()).
 
-  def __init__(self, run_dir: str):
-    from etils import epath  # pylint: disable=import-outside-toplevel
+  Args:
+    run_dir: a local run directory (the file is appended to, line by line, which object stores such as gs:// do
+      not allow).
+    monitor_every: monitor_goodput: log the goodput so far at the first step, then every this many seconds; None: not.
+  """
 
-    self.path = epath.Path(run_dir) / EVENTS
-    self.path.parent.mkdir(parents=True, exist_ok=True)
-    self._monitor_every, self._last_report = None, None  # monitor_goodput: the first step reports, then every interval
+  def __init__(self, run_dir: str, monitor_every: float | None = None):
+    from MaxText.errors import UserError  # pylint: disable=import-outside-toplevel
+
+    if "://" in run_dir:
+      raise UserError(
+        f"enable_goodput_recording appends its events to a local file, and the run directory {run_dir} is not local: "
+        "use a local (or mounted) base_output_directory, or enable_goodput_recording=false"
+      )
+    self.path = os.path.join(run_dir, EVENTS)
+    os.makedirs(os.path.dirname(self.path), exist_ok=True)
+    self._file = open(self.path, "a", encoding="utf-8", buffering=1)  # pylint: disable=consider-using-with  # a line each
+    self._monitor_every, self._last_report = monitor_every, None
 
   def event(self, kind: str, **fields) -> None:
-    line = json.dumps({"event": kind, "time": time.time(), **fields}) + "\n"
-    with self.path.open("a") as f:
-      f.write(line)
+    self._file.write(json.dumps({"event": kind, "time": time.time(), **fields}) + "\n")
+
+  def close(self) -> None:
+    self._file.close()
 
   def phase(self, name: str, seconds: float) -> None:
     self.event("phase", name=name, seconds=seconds)
 
   def step(self, step: int, seconds: float, data_seconds: float) -> None:
     self.event("step", step=step, seconds=seconds, data_seconds=data_seconds)
-    due = self._last_report is None or time.monotonic() - self._last_report >= (self._monitor_every or 0)
-    if self._monitor_every is not None and due:
+    if self._monitor_every is not None and (
+      self._last_report is None or time.monotonic() - self._last_report >= self._monitor_every
+    ):
       self._last_report = time.monotonic()
       from MaxText import max_logging  # pylint: disable=import-outside-toplevel
 
@@ -75,9 +89,11 @@ class _Off:
   def step(self, step, seconds, data_seconds):
     del step, seconds, data_seconds
 
+  def close(self):
+    pass
 
-def recorder_off():
-  return _Off()
+
+OFF = _Off()
 
 
 def recorder(config):
@@ -85,18 +101,15 @@ def recorder(config):
   import jax  # pylint: disable=import-outside-toplevel
 
   if not config.enable_goodput_recording or jax.process_index() != 0:
-    return _Off()
-  found = Recorder(config.run_dir)
-  if config.monitor_goodput:
-    found._monitor_every = config.goodput_upload_interval_seconds  # pylint: disable=protected-access
-  return found
+    return OFF
+  return Recorder(config.run_dir, config.goodput_upload_interval_seconds if config.monitor_goodput else None)
 
 
 def read(path) -> list[dict]:
-  from etils import epath  # pylint: disable=import-outside-toplevel
-
   events = []
-  for line in epath.Path(path).read_text().splitlines():
+  with open(path, encoding="utf-8") as f:
+    lines = f.read().splitlines()
+  for line in lines:
     try:
       events.append(json.loads(line))
     except json.JSONDecodeError:
@@ -181,7 +194,7 @@ def main(argv: list[str]) -> None:
   if len(argv) != 2:
     raise UserError("usage: python3 MaxText/goodput.py RUN_DIR (a run recorded with enable_goodput_recording=true)")
   path = os.path.join(argv[1], EVENTS)
-  if not os.path.exists(path) and "://" not in path:
+  if not os.path.exists(path):
     raise UserError(f"{path} does not exist: was the run recorded with enable_goodput_recording=true?")
   print("\n".join(report(read(path)).lines()))
 

@@ -35,7 +35,7 @@ class StepLoop:
 
   def __init__(self, config, mesh, model, state, state_shardings, p_train_step, data_iterator, manager, goodput=None):
     self.config, self.mesh, self.data_iterator, self.manager = config, mesh, data_iterator, manager
-    self.goodput = goodput if goodput is not None else goodput_events.recorder_off()
+    self.goodput = goodput if goodput is not None else goodput_events.OFF
     self._timing = None  # (step, its start, its data wait): the open step, for goodput's step times
     self.p_train_step = p_train_step
     self.p_eval_step = None
@@ -68,8 +68,7 @@ class StepLoop:
             stop = self._save(step, state, stop)
           if stop:
             break
-        self._note(self.logger.flush())  # the last step's checks
-        self._end_step()
+        self._flush()  # the last step's checks
     except Exception as error:
       # Eval, data, logging: an error outside the compiled step keeps what was trained since the last checkpoint.
       # A non-finite step (nonfinite_action=abort) saves nothing: the last checkpoint is the last good state.
@@ -84,6 +83,11 @@ class StepLoop:
       self.watcher.close()
     self._finish(state, stop)
     return state
+
+  def _flush(self) -> None:
+    """Writes the pending steps' metrics (waiting for the devices) with their checks; the open step ends here."""
+    self._note(self.logger.flush())
+    self._end_step()
 
   def _end_step(self) -> None:
     """Goodput: the open step took from its start until now (its metrics were flushed, or the next step starts)."""
@@ -132,8 +136,7 @@ class StepLoop:
 
   def _evaluate(self, step: int, state) -> str | None:
     """Evaluates the params after `step`; returns a stop reason when the eval loss reached target_eval_loss."""
-    self._note(self.logger.flush())
-    self._end_step()
+    self._flush()
     started = time.perf_counter()
     with self.diagnostics.activity("eval"):
       metrics = evaluation.evaluate(self.config, self.mesh, self.p_eval_step, state.params)
@@ -154,8 +157,7 @@ class StepLoop:
 
     Returns the stop reason, which the step's metrics, written first, can add (the data ran out).
     """
-    self._note(self.logger.flush())  # the step's metrics line is written before its checkpoint can commit
-    self._end_step()
+    self._flush()  # the step's metrics line is written before its checkpoint can commit
     stop = stop or (self._used_up() if self.out_of_data else None)
     last_step = int(state.step) - 1 if stop else step  # a stopped run's last step may have changed nothing
     if last_step not in (self.last_saved, self.start_step - 1):

@@ -103,6 +103,7 @@ def train_loop(config):
     if manager is not None:
       manager.close()  # waits for a save in flight, also when the loop failed
     events.event("job_end")
+    events.close()
     if config.enable_goodput_recording:
       goodput.log_report(config)
 

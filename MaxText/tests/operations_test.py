@@ -135,3 +135,11 @@ def test_monitor_goodput_logs_the_goodput_so_far(tmp_path):
   result, _ = run_train(tmp_path, "mon", *flags, env={"MAXTEXT_FAULT_INJECTION": ""})
   assert result.returncode == 0, result.stderr[-2000:]
   assert re.search(r"^Goodput so far: \d+\.\d%$", result.stdout, re.M)
+
+
+def test_goodput_recording_needs_a_local_run_directory():
+  from MaxText import goodput  # pylint: disable=import-outside-toplevel
+  from MaxText.errors import UserError  # pylint: disable=import-outside-toplevel
+
+  with pytest.raises(UserError, match=r"appends its events to a local file, and the run directory gs://b/r is not local"):
+    goodput.Recorder("gs://b/r")
