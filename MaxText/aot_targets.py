@@ -19,22 +19,39 @@ GIB = 2**30
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
-  """One JAX device of a target: its kind (flops.py has its peak FLOP/s), memory and memory bandwidth."""
+  """One JAX device of a target: its kind (flops.py has its peak FLOP/s), memory and memory bandwidth, and its links
+  (interconnect.py costs the step's collectives on them)."""
 
   device_kind: str
   memory_bytes: int | None  # None: the local host decides (cpu-N)
   memory_bandwidth_gbps: float  # GB/s of HBM (of RAM for CPU: a rough figure, for estimates only)
+  ici_link_gbps: float  # one ICI link's bandwidth each way, GB/s (NVLink through NVSwitch for GPUs)
+  ici_links: int  # ICI links per chip
+  dcn_gbps: float  # the chip's share of its host's network bandwidth between slices (hosts), GB/s each way
 
 
 # TPU memory is what the TPU compiler lets one program use (libtpu 0.0.42 says so in its out-of-memory errors),
 # a little less than the HBM's size (32, 16, 95 and 32 GiB).
+# Links: the Cloud TPU system architecture pages (docs.cloud.google.com/tpu/docs/<version>).
+#   v4: "bisection bandwidth per Pod 24 TB/s": a 16x16x16 torus is cut by 2 x 16 x 16 = 512 links, 46.9 GB/s each
+#       way; 6 links (3D). Cloud TPU gives no DCN figure for v4: assumed v5e's 25 Gbps per chip (4-chip hosts
+#       with one 100 Gbps NIC).
+#   v5e: "bidirectional ICI bandwidth per chip 400 GBps, 4 ICI ports" (50 GB/s each way per link); "data center
+#       network bandwidth per Pod 6.4 Tbps" over 256 chips = 25 Gbps = 3.125 GB/s per chip.
+#   v5p: "bidirectional ICI bandwidth per chip 1200 GBps" over 6 links (100 GB/s each way); "DCN bandwidth per chip
+#       50 Gbps" = 6.25 GB/s.
+#   v6e: "bidirectional ICI bandwidth per chip 800 GBps, 4 ICI ports" (100 GB/s each way); no DCN figure published
+#       there: assumed v5e's 3.125 GB/s per chip.
+#   h100 (a3): NVLink 4 gives 900 GB/s per GPU both ways together (NVIDIA H100 datasheet), 450 GB/s each way through
+#       NVSwitch to any GPU of the host; A3 Mega hosts have 8 x 200 Gbps NICs, 25 GB/s per GPU.
+#   cpu: no real links: rough figures, so that cpu-N estimates stay comparable.
 CHIPS = {
-  "v4": Chip("TPU v4", int(30.75 * GIB), 1228.0),
-  "v5e": Chip("TPU v5 lite", int(15.75 * GIB), 819.0),
-  "v5p": Chip("TPU v5", int(95.74 * GIB), 2765.0),
-  "v6e": Chip("TPU v6 lite", int(31.25 * GIB), 1640.0),
-  "h100": Chip("NVIDIA H100 80GB HBM3", 80 * 10**9, 3350.0),
-  "cpu": Chip("cpu", None, 20.0),
+  "v4": Chip("TPU v4", int(30.75 * GIB), 1228.0, 46.9, 6, 3.125),
+  "v5e": Chip("TPU v5 lite", int(15.75 * GIB), 819.0, 50.0, 4, 3.125),
+  "v5p": Chip("TPU v5", int(95.74 * GIB), 2765.0, 100.0, 6, 6.25),
+  "v6e": Chip("TPU v6 lite", int(31.25 * GIB), 1640.0, 100.0, 4, 3.125),
+  "h100": Chip("NVIDIA H100 80GB HBM3", 80 * 10**9, 3350.0, 450.0, 1, 25.0),
+  "cpu": Chip("cpu", None, 20.0, 10.0, 1, 1.0),
 }
 
 

@@ -11,6 +11,7 @@ the 8 GPUs of a host through NVSwitch and the hosts' NICs join the hosts.
 Ring costs, per device holding `size` bytes of a collective over n devices at bandwidth B:
   all-gather, reduce-scatter: (n - 1) / n * size / B;   all-reduce: 2 (n - 1) / n * size / B;
   all-to-all: (n - 1) / n * size / B (each device sends all but its own part);   collective-permute: size / B.
+The link figures are aot_targets.CHIPS', next to each chip's HBM.
 A group that spans slices is costed hierarchically: within each slice, then across the slices at DCN bandwidth on
 1 / (its devices per slice) of the bytes (every chip of a slice sends its own part).
 """
@@ -19,28 +20,6 @@ import dataclasses
 import time
 
 from MaxText import hlo_collectives, roofline
-
-# One-way bandwidth of one ICI link (GB/s), the ICI links of a chip, and each chip's share of its host's DCN
-# bandwidth (GB/s). Sources: Cloud TPU system architecture pages (docs.cloud.google.com/tpu/docs/<version>).
-#   v4: "bisection bandwidth per Pod 24 TB/s": a 16x16x16 torus is cut by 2 x 16 x 16 = 512 links, 46.9 GB/s each
-#       way; 6 links (3D). Cloud TPU gives no DCN figure for v4: assumed v5e's 25 Gbps per chip (4-chip hosts
-#       with one 100 Gbps NIC).
-#   v5e: "bidirectional ICI bandwidth per chip 400 GBps, 4 ICI ports" (50 GB/s each way per link); "data center
-#       network bandwidth per Pod 6.4 Tbps" over 256 chips = 25 Gbps = 3.125 GB/s per chip.
-#   v5p: "bidirectional ICI bandwidth per chip 1200 GBps" over 6 links (100 GB/s each way); "DCN bandwidth per chip
-#       50 Gbps" = 6.25 GB/s.
-#   v6e: "bidirectional ICI bandwidth per chip 800 GBps, 4 ICI ports" (100 GB/s each way); no DCN figure published
-#       there: assumed v5e's 3.125 GB/s per chip.
-#   h100 (a3): NVLink 4 gives 900 GB/s per GPU both ways together (NVIDIA H100 datasheet), 450 GB/s each way through
-#       NVSwitch to any GPU of the host; A3 Mega hosts have 8 x 200 Gbps NICs, 25 GB/s per GPU.
-LINKS = {
-  "v4": (46.9, 6, 3.125),
-  "v5e": (50.0, 4, 3.125),
-  "v5p": (100.0, 6, 6.25),
-  "v6e": (100.0, 4, 3.125),
-  "h100": (450.0, 1, 25.0),
-  "cpu": (10.0, 1, 1.0),  # no real links: a rough figure, so that cpu-N estimates stay comparable
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,9 +61,9 @@ class Fabric:
     return self.link_gbps * max(links, 1)
 
 
-def fabric(chip: str, dims: tuple[int, ...] = (), wrap: tuple[bool, ...] = ()) -> Fabric:
-  link, _, dcn = LINKS[chip]
-  return Fabric(link, tuple(dims), tuple(wrap) + (False,) * (len(dims) - len(wrap)), dcn)
+def fabric(chip, dims: tuple[int, ...] = (), wrap: tuple[bool, ...] = ()) -> Fabric:
+  """The links of an aot_targets.Chip on a slice of `dims` chips (() for a switched fabric)."""
+  return Fabric(chip.ici_link_gbps, tuple(dims), tuple(wrap) + (False,) * (len(dims) - len(wrap)), chip.dcn_gbps)
 
 
 _RING_FACTOR = {"all-gather": 1.0, "reduce-scatter": 1.0, "all-reduce": 2.0, "all-to-all": 1.0}
@@ -183,7 +162,6 @@ def communication(hlo_text: str, target, devices, num_slices: int) -> tuple[roof
   `devices` (the mesh's, in order) of an aot_targets.Target."""
   start = time.perf_counter()
   found = hlo_collectives.collectives(hlo_text)
-  chip = {"gpu": "h100", "cpu": "cpu"}.get(target.platform, target.name.split("-")[0])
-  links = fabric(chip, dims_of(target.topology), target.wrap) if target.platform == "tpu" else fabric(chip)
+  links = fabric(target.chip, dims_of(target.topology), target.wrap) if target.platform == "tpu" else fabric(target.chip)
   seconds = step_seconds(found, placement(devices), links, num_slices)
   return roofline.Communication(**seconds), len(found), time.perf_counter() - start

@@ -3,7 +3,7 @@ and their ring costs on a target's links, against closed forms computed by hand.
 
 import pytest
 
-from MaxText import hlo_collectives, interconnect, roofline
+from MaxText import aot_targets, hlo_collectives, interconnect, roofline
 from MaxText.interconnect import Device
 
 GB = 1e9
@@ -60,7 +60,7 @@ def test_a_group_over_two_dimensions_uses_the_links_of_both():
 def test_a_collective_across_slices_is_costed_at_dcn_bandwidth():
   size = 64 * 2**20
   two_slices = [Device(0, (0, 0, 0)), Device(1, (0, 0, 0))]
-  fabric = interconnect.fabric("v5e", (4, 4), (True, True))
+  fabric = interconnect.fabric(aot_targets.CHIPS["v5e"], (4, 4), (True, True))
   crossing = hlo_collectives.Collective("all-reduce", size, ((0, 1),), count=1, in_loop=False)
   seconds = interconnect.step_seconds([crossing], two_slices, fabric, num_slices=2)
   assert seconds["dcn"] == pytest.approx(2 * (1 / 2) * size / (3.125 * GB)) and seconds["ici"] == 0
@@ -89,9 +89,9 @@ def test_a_loops_collectives_are_multiplied_by_its_trip_count(trip):
   found = hlo_collectives.collectives(_hlo(ALL_GATHER, loop="" if known else "12", trip=known))
   assert [(c.count, c.in_loop) for c in found] == [(12, True)]
   one = interconnect.step_seconds(
-    hlo_collectives.collectives(_hlo(ALL_GATHER)), _ring(8), interconnect.fabric("v4", (8,), (True,)), 1
+    hlo_collectives.collectives(_hlo(ALL_GATHER)), _ring(8), interconnect.fabric(aot_targets.CHIPS["v4"], (8,), (True,)), 1
   )
-  twelve = interconnect.step_seconds(found, _ring(8), interconnect.fabric("v4", (8,), (True,)), 1)
+  twelve = interconnect.step_seconds(found, _ring(8), interconnect.fabric(aot_targets.CHIPS["v4"], (8,), (True,)), 1)
   assert twelve["ici_loop"] == pytest.approx(12 * one["ici_loop"])
 
 
