@@ -190,7 +190,7 @@ def collectives(text: str) -> list[Collective]:
         if kind == "reduce-scatter":
           size *= len(groups[0]) if groups else 1  # the result is one part of the input
         found.append(Collective(kind, size, groups, count, in_loop))
-      elif opcode == "send" and _MEGASCALE.search(rest):
-        transfer = _MEGASCALE.search(rest).group(1).lower().replace("_", "-")
+      elif opcode == "send" and (megascale := _MEGASCALE.search(rest)):
+        transfer = megascale.group(1).lower().replace("_", "-")
         found.append(Collective(transfer, _largest_array(shape), (), count, in_loop, cross_slice=True))
   return found

@@ -384,8 +384,7 @@ def _derive_device_values(values, sources, devices):
 def _check_wgrad_shards(values, num_slices: int, rows: int):
   """int8's wgrad splits the rows into quantization_local_shard_count parts (-1: num_slices) with their own scales,
   so they must divide the microbatch."""
-  shards = values["quantization_local_shard_count"]
-  shards = num_slices if shards == -1 else shards
+  shards = quant_rules.wgrad_parts(values["quantization_local_shard_count"], num_slices)
   if values["quantization"] == "int8" and shards > 1 and rows % shards:
     raise ConfigError(
       f"quantization_local_shard_count={shards} splits int8's wgrad over the {rows} rows of a microbatch: it must divide "

@@ -76,6 +76,12 @@ class QuantRules:
     return plain
 
 
+def wgrad_parts(local_shard_count: int, num_slices: int) -> int:
+  """quantization_local_shard_count as int8's wgrad uses it: the parts of the batch with their own scales (-1: one
+  per slice, as upstream; 0: wgrad in high precision)."""
+  return num_slices if local_shard_count == -1 else local_shard_count
+
+
 def _settings(path: str, pattern: str, entry) -> WeightQuant:
   where = f"quant_cfg_path={path}: {pattern!r}"
   if not isinstance(entry, dict):

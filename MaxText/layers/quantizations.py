@@ -112,9 +112,9 @@ class Quantization:
     if layer_names.layer_number(name) is None or layer_names.layer_type(name) is None:
       return HIGH  # outside the decoder layers, or the MoE router: modules built without `quant`
     low, current, margin = [], [], []
+    quantized = {"fprop": True, "dgrad": self.mode in ("int8", "fp8"), "wgrad": self.mode == "fp8" or self._wgrad}
     for gemm in GEMMS:
       precision = self.numerics.gemm_precision(name, gemm)
-      quantized = {"fprop": True, "dgrad": self.mode in ("int8", "fp8"), "wgrad": self.mode == "fp8" or self._wgrad}
       low.append(precision.low_precision and quantized[gemm])
       use_current = self.fp8 and (self.fp8_current_scaling or precision.per_tensor_scaling)
       current.append(use_current)
@@ -168,7 +168,7 @@ def from_config(config) -> Quantization | None:
     numerics=config.numerics_debug,
     scanned_blocks=common_types.num_blocks(config.decoder_block, config.num_decoder_layers) if config.scan_layers else 0,
     weight_rules=config.quant_rules,
-    wgrad_shards=config.num_slices if config.quantization_local_shard_count == -1 else config.quantization_local_shard_count,
+    wgrad_shards=quant_rules.wgrad_parts(config.quantization_local_shard_count, config.num_slices),
   )
 
 
