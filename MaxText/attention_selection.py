@@ -5,6 +5,7 @@ kernel the devices or the config cannot run stops the run with one ConfigError l
 """
 
 import importlib.util
+import math
 
 from MaxText.errors import ConfigError
 
@@ -30,8 +31,9 @@ def _cudnn_obstacle(values) -> str:
   head_dim = values["head_dim"]
   if head_dim % 8 or head_dim > 256:
     return f"head_dim={head_dim} (cuDNN flash attention needs a multiple of 8, at most 256; 128 before Hopper)"
-  if values["ici_sequence_parallelism"] != 1 or values["dcn_sequence_parallelism"] != 1:
-    return "ici/dcn_sequence_parallelism != 1 (the cuDNN kernel cannot shard the sequence)"
+  for axis in ("sequence", "context"):
+    if values.get(f"ici_{axis}_parallelism", 1) != 1 or values.get(f"dcn_{axis}_parallelism", 1) != 1:
+      return f"ici/dcn_{axis}_parallelism != 1 (the cuDNN kernel here cannot shard the sequence)"
   return ""
 
 
@@ -57,10 +59,6 @@ def _check_flash(values, platform: str) -> None:
   length = values["max_target_length"]
   if length % 128 or (length > 512 and length % 512):
     raise ConfigError(f"attention=flash needs max_target_length={length} to be a multiple of 128 (of 512 above 512)")
-  if values["ici_sequence_parallelism"] != 1 or values["dcn_sequence_parallelism"] != 1:
-    raise ConfigError(
-      "attention=flash cannot shard the sequence: set ici/dcn_sequence_parallelism=1 or use attention=dot_product"
-    )
 
 
 def _check_gpu_kernel(kernel: str, values, platform: str) -> None:
@@ -79,6 +77,64 @@ def _check_gpu_kernel(kernel: str, values, platform: str) -> None:
     )
 
 
+def _ring(values) -> bool:
+  context = values.get("ici_context_parallelism", 1) * values.get("dcn_context_parallelism", 1)
+  return values.get("context_parallel_strategy") == "ring" and context != 1
+
+
+def _check_flash_heads(values, mesh_shape: dict) -> None:
+  """The splash kernel runs per shard of the heads: the mesh axes of the heads' rules must split them evenly."""
+  for name, key in (("activation_heads", "num_query_heads"), ("activation_kv_heads", "num_kv_heads")):
+    axes = next((a for rule, a in values["logical_axis_rules"] if rule == name), None) or ()
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    ways = math.prod(mesh_shape.get(a, 1) for a in axes)
+    if values[key] % ways:
+      split = " x ".join(f"{a} {mesh_shape.get(a, 1)}" for a in axes if mesh_shape.get(a, 1) > 1)
+      raise ConfigError(
+        f"attention=flash splits the heads over {split} = {ways} ways, which {key}={values[key]} does not divide: "
+        "split them fewer ways (a long sequence can go over context instead of sequence), or use attention=dot_product"
+      )
+
+
+def check_length_sharding(values, mesh_shape: dict) -> None:
+  """The sequence split over mesh axes sequence x context: lengths that divide, what ring attention supports, and
+  heads that the flash kernel's shards divide."""
+  sequence, context = mesh_shape.get("sequence", 1), mesh_shape.get("context", 1)
+  length = values["max_target_length"]
+  if values["attention"] == "flash":
+    _check_flash_heads(values, mesh_shape)
+  if sequence * context == 1:
+    return
+  if length % (sequence * context):
+    raise ConfigError(
+      f"max_target_length={length} must be divisible by {sequence * context}: the sequence is split over "
+      f"{sequence * context} devices (sequence {sequence} x context {context})"
+    )
+  if context > 1 and values["context_parallel_load_balance"] and length % (2 * context):
+    raise ConfigError(
+      f"max_target_length={length} must be divisible by {2 * context}: context_parallel_load_balance=true cuts the "
+      f"sequence into 2 x context ({context}) chunks (or set it to false)"
+    )
+  kernel = values["attention"]
+  if context > 1 and values["context_parallel_strategy"] == "ring":
+    if kernel != "dot_product":
+      raise ConfigError(
+        f"context_parallel_strategy=ring runs with attention=dot_product, not attention={kernel}: use dot_product, or "
+        "context_parallel_strategy=all_gather with the kernel"
+      )
+    if sequence > 1:
+      raise ConfigError(
+        f"context_parallel_strategy=ring does not combine with ici/dcn_sequence_parallelism ({sequence}): the ring "
+        "passes keys around the context axis only; shard the sequence over context alone"
+      )
+  local = length // context  # the queries of a device inside attention (sequence splits the heads there)
+  if kernel == "flash" and (local % 128 or (local > 512 and local % 512)):
+    raise ConfigError(
+      f"attention=flash splits max_target_length={length} over context {context} into {local} queries each: that "
+      "must be a multiple of 128 (of 512 above 512), the kernel's block"
+    )
+
+
 def select(values, platform: str) -> str:
   """The attention kernel of the config on `platform` ("cpu", "gpu", "tpu"), checked.
 
@@ -87,7 +143,9 @@ def select(values, platform: str) -> str:
   """
   kernel = values["attention"]
   if kernel == "autoselected":
-    if platform == "tpu":
+    if _ring(values):
+      kernel = "dot_product"  # ring attention is written in plain JAX: its blocks are dot products
+    elif platform == "tpu":
       kernel = "flash"
     elif platform == "gpu" and not _cudnn_obstacle(values):
       kernel = "cudnn_flash_jax"

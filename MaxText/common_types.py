@@ -53,6 +53,8 @@ PROFILERS = ("", "xplane", "nsys")  # "" = off
 DECODE_SAMPLING_STRATEGIES = ("greedy", "weighted", "nucleus", "topk")
 COMPILE_SEARCHES = ("", "per_device_batch_size", "per_device_batch_size,remat_policy")
 
+CONTEXT_PARALLEL_STRATEGIES = ("all_gather", "ring")
+
 # The ici_/dcn_ parallelism keys of each mesh axis (mesh axis "stage" is set by *_pipeline_parallelism).
 MESH_AXIS_KEY = {
   "data": "data",
@@ -60,6 +62,7 @@ MESH_AXIS_KEY = {
   "fsdp": "fsdp",
   "fsdp_transpose": "fsdp_transpose",
   "sequence": "sequence",
+  "context": "context",
   "tensor": "tensor",
   "expert": "expert",
   "autoregressive": "autoregressive",

@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from MaxText import checkpointing, max_logging, sampling, serving_checkpoint, sharding, train_state
 from MaxText.errors import UserError
+from MaxText.layers import context_parallel
 
 # Tokens that end a completion besides the tokenizer's EOS (Llama 3: end of turn, end of text).
 END_TOKENS = ("<|eot_id|>", "<|end_of_text|>")
@@ -31,6 +32,11 @@ def end_token_ids(tokenizer) -> tuple[int, ...]:
 
 def build(config, mesh):
   """The model and its abstract, sharded params (whose memory is checked against a device's)."""
+  if context_parallel.mesh_size(config, "context") > 1:
+    raise UserError(
+      "decoding does not run with context parallelism (it trains long sequences): set ici_context_parallelism=1 and "
+      "dcn_context_parallelism=1 for decode.py; the checkpoint loads on any mesh"
+    )
   setup = train_state.build(config, mesh, params_only=True)
   return setup.model, setup.abstract_state.params
 

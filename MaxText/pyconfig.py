@@ -355,6 +355,7 @@ def _derive_device_values(values, sources, devices):
     )
   micro_train = int(round(rows))
   mesh_shape = dict(zip(values["mesh_axes"], (i * d for i, d in zip(ici, dcn))))
+  attention_selection.check_length_sharding(values, mesh_shape)
   batch_shards = math.prod(mesh_shape[a] for a in values["data_sharding"][0])
   # With fewer rows than batch shards (fractional per_device_batch_size), load one row per device and
   # train on the first rows only, as upstream MaxText does.

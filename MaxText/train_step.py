@@ -16,7 +16,7 @@ from jax.experimental import checkify
 
 from MaxText import sharding
 from MaxText.diagnostics import nonfinite, numerics_stats, numerics_taps
-from MaxText.layers import moe, quantizations
+from MaxText.layers import context_parallel, moe, quantizations
 from MaxText.optimizers import create_learning_rate_schedule
 
 
@@ -70,6 +70,7 @@ def loss_fn(model, config, params, batch, dropout_rng, train: bool, extras: Step
   dividing the sums by all tokens, as for the cross-entropy, then averages it over microbatches. Eval
   (train=False) is cross-entropy only.
   """
+  batch = context_parallel.reorder(context_parallel.from_config(config), batch)  # the layout attention expects
   logits, sown = model.apply(
     {"params": params, **extras.collections()},
     batch["inputs"],

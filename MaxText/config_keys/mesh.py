@@ -1,6 +1,6 @@
 """Keys of base.yml's Mesh and parallelism section: the mesh axes, how many ways each splits, and the sharding rules."""
 
-from MaxText.common_types import MESH_AXIS_KEY
+from MaxText.common_types import CONTEXT_PARALLEL_STRATEGIES, MESH_AXIS_KEY
 from MaxText.config_keys import Key, Range
 
 # One -1 per level is filled so that the product is the devices per slice (ici) or the slices (dcn).
@@ -20,6 +20,9 @@ SECTIONS = {
     ),
     "dcn_fsdp_transpose_parallelism": Key("Ways the slices split over mesh axis fsdp_transpose.", range=_DCN),
     "dcn_sequence_parallelism": Key("Ways the slices split over mesh axis sequence.", range=_DCN),
+    "dcn_context_parallelism": Key(
+      "Ways the slices split over mesh axis context (the sequence, attention included).", range=_DCN
+    ),
     "dcn_tensor_parallelism": Key("Ways the slices split over mesh axis tensor.", range=_DCN),
     "dcn_expert_parallelism": Key("Ways the slices split over mesh axis expert.", range=_DCN),
     "dcn_autoregressive_parallelism": Key("Ways the slices split over mesh axis autoregressive.", range=_DCN),
@@ -31,10 +34,20 @@ SECTIONS = {
     ),
     "ici_fsdp_transpose_parallelism": Key("Ways the devices of a slice split over mesh axis fsdp_transpose.", range=_ICI),
     "ici_sequence_parallelism": Key("Ways the devices of a slice split over mesh axis sequence.", range=_ICI),
+    "ici_context_parallelism": Key(
+      "Ways the devices of a slice split over mesh axis context (the sequence, attention included).", range=_ICI
+    ),
     "ici_tensor_parallelism": Key("Ways the devices of a slice split over mesh axis tensor.", range=_ICI),
     "ici_expert_parallelism": Key("Ways the devices of a slice split over mesh axis expert.", range=_ICI),
     "ici_autoregressive_parallelism": Key("Ways the devices of a slice split over mesh axis autoregressive.", range=_ICI),
     "allow_split_physical_axes": Key("Let a mesh axis span parts of several physical device axes (jax mesh_utils)."),
+    "context_parallel_strategy": Key(
+      "How attention sees the keys of other context shards: all_gather (gather them) or ring (pass blocks around).",
+      choices=CONTEXT_PARALLEL_STRATEGIES,
+    ),
+    "context_parallel_load_balance": Key(
+      "Reorder the sequence so that each context shard does the same causal work (chunks d and 2N-1-d)."
+    ),
     "logical_axis_rules": Key(
       "[logical axis name, mesh axes] pairs; an array dim takes the first rule of its name whose axes it leaves unused."
     ),

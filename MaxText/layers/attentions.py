@@ -8,43 +8,25 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText.layers import initializers, kv_cache
+from MaxText.layers import context_parallel, initializers, kv_cache
+from MaxText.layers.attention_masks import _MASK_VALUE, attention_mask, cache_mask, soft_cap
 from MaxText.layers.embeddings import Llama3RopeScaling, apply_rotary_embedding
 from MaxText.layers.flash_attention import flash_attention
 from MaxText.layers.gpu_attention import cudnn_attention, transformer_engine_attention
 from MaxText.layers.linears import DenseGeneral, Gemm
 from MaxText.layers.normalizations import RMSNorm
-
-# Large negative instead of -inf: a fully masked row then gives a uniform softmax instead of NaN.
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-
-
-def attention_mask(segment_ids, sliding_window: int = 0):
-  """Causal mask within packed segments: query t sees key s iff s <= t and both are in the same segment.
-
-  Args:
-    segment_ids: (B, T) segment of each token (0 = padding).
-    sliding_window: > 0 also requires t - s < sliding_window (each query sees itself and the window-1 keys
-      before it, as transformers' sliding-window mask).
-  Returns:
-    (B, 1, 1, T, S) boolean mask, broadcastable over (kv_heads, group).
-  """
-  length = segment_ids.shape[1]
-  t = jnp.arange(length)
-  allowed = t[None, :] <= t[:, None]  # (T, S) causal
-  if sliding_window > 0:
-    allowed &= t[:, None] - t[None, :] < sliding_window
-  same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]  # (B, T, S)
-  return (same_segment & allowed)[:, None, None, :, :]
-
-
-def soft_cap(x, cap: float):
-  """cap * tanh(x / cap): a smooth clip to (-cap, cap) (Gemma 2's attention and final logits)."""
-  return jnp.tanh(x / cap) * cap
+from MaxText.layers.ring_attention import sharded_ring_attention
 
 
 def dot_product_attention(
-  query, key, value, segment_ids, sliding_window: int = 0, logits_soft_cap: float = 0.0, float32_logits: bool = True
+  query,
+  key,
+  value,
+  segment_ids,
+  sliding_window: int = 0,
+  logits_soft_cap: float = 0.0,
+  float32_logits: bool = True,
+  layout: context_parallel.ContextParallel = context_parallel.NONE,
 ):
   """softmax(soft_cap(q k^T) + mask) v with grouped-query heads; the softmax scale is already in the query.
 
@@ -53,30 +35,17 @@ def dot_product_attention(
     segment_ids: (B, T) packed-segment ids.
     sliding_window: > 0 limits each query to that many most recent keys (itself included).
     logits_soft_cap: > 0 caps the logits with soft_cap before masking.
+    layout: the sequence's layout (context_parallel): its token order, and under context parallelism every key
+      and value is gathered for the local queries (all_gather).
   Returns:
     (B, T, Nq, D)
   """
-  mask = attention_mask(segment_ids, sliding_window)
+  if layout.context > 1:
+    gathered = ("activation_kv_batch", None, "activation_kv_heads", None)
+    key, value = nn.with_logical_constraint(key, gathered), nn.with_logical_constraint(value, gathered)
+  order = layout.token_order(query.shape[1]) if layout.load_balance else None
+  mask = attention_mask(segment_ids, sliding_window, order)
   return masked_attention(query, key, value, mask, logits_soft_cap=logits_soft_cap, float32_logits=float32_logits)
-
-
-def cache_mask(positions, cache_length: int, sliding_window: int = 0):
-  """Which cache slots each query sees while decoding, where slot s holds the key of position s.
-
-  Args:
-    positions: (B, T) positions of the queries (their keys are already written at those slots).
-    cache_length: S, the slots in the cache.
-    sliding_window: > 0 also requires t - s < sliding_window, as attention_mask.
-  Returns:
-    (B, 1, 1, T, S) boolean mask. Slots after a query's position (not yet written, or the padding of a
-    prompt) are masked by causality.
-  """
-  t = positions[:, :, None]  # (B, T, 1)
-  s = jnp.arange(cache_length)[None, None, :]  # (1, 1, S)
-  allowed = s <= t
-  if sliding_window > 0:
-    allowed &= t - s < sliding_window
-  return allowed[:, None, None, :, :]
 
 
 def masked_attention(query, key, value, mask, logits_soft_cap: float = 0.0, float32_logits: bool = True):
@@ -140,6 +109,8 @@ class Attention(nn.Module):
   use_rope: bool = True
   use_bias: bool = False
   use_qk_norm: bool = False
+  # How the sequence is laid out over the devices (context parallelism); from the config (block_parts).
+  layout: context_parallel.ContextParallel = context_parallel.NONE
 
   def _project(self, x):
     """(B, T, E) -> query (B, T, Nq, D), key and value (B, T, Nkv, D), with their remat names."""
@@ -216,12 +187,14 @@ class Attention(nn.Module):
       out = masked_attention(query, key, value, mask, logits_soft_cap=self.logits_soft_cap)
     else:
       kernels = {
-        "dot_product": dot_product_attention,
-        "flash": flash_attention,
+        "dot_product": functools.partial(dot_product_attention, layout=self.layout),
+        "flash": functools.partial(flash_attention, layout=self.layout),
         "cudnn_flash_jax": functools.partial(cudnn_attention, segments=self.attention_segments),
         "cudnn_flash_te": transformer_engine_attention,
       }
       kernel = kernels[self.attention_kernel]
+      if self.layout.ring:  # the config allows ring with dot_product only
+        kernel = functools.partial(sharded_ring_attention, layout=self.layout)
       out = kernel(query, key, value, segment_ids, sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)
     out = checkpoint_name(out, "context")  # (B, T, Nq, D)
     out = DenseGeneral(

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import flax.linen as nn
 
 from MaxText import attention_selection
+from MaxText.layers import context_parallel
 from MaxText.layers.attentions import Attention
 from MaxText.layers.embeddings import Llama3RopeScaling
 from MaxText.layers.linears import Gemm, MlpBlock
@@ -70,6 +71,7 @@ def self_attention(config, gemm: Gemm, name: str = "self_attention", **family_op
     cache_length=config.max_target_length,
     quantize_kvcache=config.quantize_kvcache,
     kv_quant_axis=config.kv_quant_axis,
+    layout=context_parallel.from_config(config),
     gemm=gemm,
     norm_epsilon=config.normalization_layer_epsilon,
     dtype=config.dtype,

@@ -1,7 +1,10 @@
 """attention=flash: the Pallas splash-attention kernel for TPU, run per shard under shard_map.
 
-The batch and head axes are split as the logical axis rules say (activation_batch, activation_heads);
-the sequence must not be sharded. `interpret=True` runs the same kernel on the CPU (slowly), for tests.
+The batch and head axes are split as the logical axis rules say (activation_batch, activation_heads). When the
+sequence is split too (mesh axes sequence and context), each device keeps its queries and gathers every key and
+value (all_gather context parallelism); the kernel's mask is then cut into the query shards (splash's q_seq_shards),
+and with load balancing it masks by each query's original index (context_parallel.token_order).
+`interpret=True` runs the same kernel on the CPU (slowly), for tests.
 """
 
 import functools
@@ -9,15 +12,55 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from MaxText.layers import context_parallel
 
 _MAX_BLOCK = 512
 
 
-def _kernel(num_heads: int, length: int, sliding_window: int, logits_soft_cap: float, interpret: bool):
-  block = min(_MAX_BLOCK, length)
+class _OrderedCausalMask(splash_mask._ComputableMask):  # pylint: disable=protected-access
+  """Causal (and local, with a window) over keys in the original order, for queries laid out in `order`: the query
+  at row r is the token order[r] of the sequence (load-balanced context parallelism)."""
+
+  def __init__(self, order: np.ndarray, sliding_window: int):
+    self.order, self.sliding_window = order, sliding_window
+
+    def visible(q_ids, kv_ids):  # q_ids: original indices (from q_sequence); runs on numpy and in the kernel
+      allowed = q_ids >= kv_ids
+      if sliding_window > 0:
+        allowed &= q_ids - kv_ids < sliding_window
+      return allowed
+
+    super().__init__(shape=(len(order), len(order)), mask_function=visible)
+    self.q_sequence = order
+
+  def __eq__(self, other):
+    return isinstance(other, _OrderedCausalMask) and (self.sliding_window, self.order.tobytes()) == (
+      other.sliding_window,
+      other.order.tobytes(),
+    )
+
+  def __hash__(self):
+    return hash((type(self), self.sliding_window, self.order.tobytes()))
+
+
+def _kernel(
+  num_heads: int,
+  length: int,
+  sliding_window: int,
+  logits_soft_cap: float,
+  interpret: bool,
+  order: np.ndarray | None = None,
+  q_shards: int = 1,
+):
+  """The splash kernel for `length` tokens whose queries are split into q_shards; `order`: the queries' original
+  indices when they are reordered (else None)."""
+  block = min(_MAX_BLOCK, length // q_shards)
   sizes = splash.BlockSizes(
     block_q=block,
     block_kv=block,
@@ -28,7 +71,9 @@ def _kernel(num_heads: int, length: int, sliding_window: int, logits_soft_cap: f
     block_q_dq=block,
     block_kv_dq=block,
   )
-  if sliding_window > 0:  # causal, and t - s < sliding_window
+  if order is not None:
+    head_mask = _OrderedCausalMask(order, sliding_window)
+  elif sliding_window > 0:  # causal, and t - s < sliding_window
     head_mask = splash_mask.LocalMask((length, length), window_size=(sliding_window - 1, 0), offset=0)
   else:
     head_mask = splash_mask.CausalMask((length, length))
@@ -37,21 +82,22 @@ def _kernel(num_heads: int, length: int, sliding_window: int, logits_soft_cap: f
     mask,
     block_sizes=sizes,
     head_shards=1,
-    q_seq_shards=1,
+    q_seq_shards=q_shards,
     attn_logits_soft_cap=logits_soft_cap or None,
     interpret=interpret,
   )
 
 
-def _local_attention(query, key, value, segment_ids, sliding_window: int, logits_soft_cap: float, interpret: bool):
-  """One shard: (b, T, nq, D) queries, (b, T, nkv, D) keys/values -> (b, T, nq, D)."""
-  kernel = _kernel(query.shape[2], query.shape[1], sliding_window, logits_soft_cap, interpret)
+def _local_attention(kernel, query, key, value, q_segment_ids, kv_segment_ids):
+  """One shard: (b, Tq, nq, D) queries, (b, T, nkv, D) keys/values -> (b, Tq, nq, D)."""
   to_heads_first = functools.partial(jnp.swapaxes, axis1=1, axis2=2)  # (b, T, n, D) <-> (b, n, T, D)
 
-  def one_example(q, k, v, seg):
-    return kernel(q, k, v, segment_ids=splash.SegmentIds(q=seg, kv=seg))
+  def one_example(q, k, v, q_seg, kv_seg):
+    return kernel(q, k, v, segment_ids=splash.SegmentIds(q=q_seg, kv=kv_seg))
 
-  out = jax.vmap(one_example)(to_heads_first(query), to_heads_first(key), to_heads_first(value), segment_ids)
+  out = jax.vmap(one_example)(
+    to_heads_first(query), to_heads_first(key), to_heads_first(value), q_segment_ids, kv_segment_ids
+  )
   return to_heads_first(out)
 
 
@@ -65,26 +111,62 @@ def _compiles_for_cpu(mesh) -> bool:
   return platform == "cpu"
 
 
+def _mesh_ways(mesh, axes) -> int:
+  axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+  return int(np.prod([mesh.shape[a] for a in axes]))
+
+
 def flash_attention(
-  query, key, value, segment_ids, sliding_window: int = 0, logits_soft_cap: float = 0.0, interpret: bool | None = None
+  query,
+  key,
+  value,
+  segment_ids,
+  sliding_window: int = 0,
+  logits_soft_cap: float = 0.0,
+  interpret: bool | None = None,
+  layout: context_parallel.ContextParallel = context_parallel.NONE,
 ):
   """Causal, segment-masked attention with the splash kernel. Shapes and options as dot_product_attention.
 
   Args:
     interpret: run the Pallas interpreter; default: only when compiling for CPU devices.
+    layout: how the sequence is laid out (context_parallel); its token order when load-balanced.
   """
   mesh = jax.sharding.get_abstract_mesh()
   interpret = _compiles_for_cpu(mesh) if interpret is None else interpret
-  local = functools.partial(
-    _local_attention, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, interpret=interpret
-  )
+  length, num_heads = query.shape[1], query.shape[2]
+  make = functools.partial(_kernel, length=length, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+  make = functools.partial(make, interpret=interpret)
   if mesh.empty:
-    return local(query, key, value, segment_ids)
+    return _local_attention(make(num_heads), query, key, value, segment_ids, segment_ids)
   q_spec = nn.logical_to_mesh_axes(("activation_batch", "activation_length", "activation_heads", None))
+  # Keys and values whole along the length (gathered), their heads split as the queries' (resolved with the length
+  # named, so that a rule like activation_kv_heads: [tensor, sequence] does not take the sequence axis for heads).
   kv_spec = nn.logical_to_mesh_axes(("activation_kv_batch", "activation_length", "activation_kv_heads", None))
-  if q_spec[1] is not None:
-    raise ValueError("attention=flash cannot shard the sequence (activation_length); use attention=dot_product")
-  seg_spec = P(q_spec[0], None)
-  return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec, check_vma=False)(
-    query, key, value, segment_ids
+  kv_spec = P(kv_spec[0], None, *kv_spec[2:])
+  local_heads = num_heads // _mesh_ways(mesh, q_spec[2])
+  q_shards = _mesh_ways(mesh, q_spec[1])
+  if q_shards == 1:  # the sequence is whole on every device: the kernel is made per shard
+
+    def whole(q, k, v, seg):
+      return _local_attention(make(local_heads), q, k, v, seg, seg)
+
+    return jax.shard_map(
+      whole, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P(q_spec[0], None)), out_specs=q_spec, check_vma=False
+    )(query, key, value, segment_ids)
+  # The queries stay split over the length; keys, values and their segment ids are gathered (kv_spec), and put back
+  # in the original order, which the mask's key indices are.
+  order = layout.token_order(length) if layout.load_balance else None
+  kernel = make(local_heads, order=order, q_shards=q_shards)
+  kernel_spec = kernel.manual_sharding_spec(NamedSharding(mesh, P(None, q_spec[1])))
+  to_original = np.argsort(order) if order is not None else None
+
+  def local(kernel, q, k, v, q_seg, kv_seg):
+    if to_original is not None:
+      k, v, kv_seg = (jnp.take(x, to_original, axis=1) for x in (k, v, kv_seg))
+    return _local_attention(kernel, q, k, v, q_seg, kv_seg)
+
+  in_specs = (kernel_spec, q_spec, kv_spec, kv_spec, P(q_spec[0], q_spec[1]), P(kv_spec[0], None))
+  return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=q_spec, check_vma=False)(
+    kernel, query, key, value, segment_ids, segment_ids
   )

@@ -9,7 +9,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from MaxText import common_types
 from MaxText.layers import block_parts, gemma, gemma2, gpt3, linears, quantizations
-from MaxText.layers.attentions import soft_cap
+from MaxText.layers.attention_masks import soft_cap
 from MaxText.layers.block_parts import DecoderFamily
 from MaxText.layers.default_block import DecoderLayer
 from MaxText.layers.embeddings import Embed

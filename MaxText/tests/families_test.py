@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from MaxText import layer_stacking, mesh, train_state, train_step
-from MaxText.layers import attentions, block_parts, embeddings, linears, models, normalizations
+from MaxText.layers import attention_masks, attentions, block_parts, embeddings, linears, models, normalizations
 from MaxText.tests.helpers import tiny_config
 
 BATCH, LENGTH = 2, 16
@@ -262,7 +262,7 @@ def _family_params(family):
 @pytest.mark.parametrize("window", [0, 1, 3])
 def test_attention_mask_matches_loops(window):
   segments = np.array([[1, 1, 1, 1, 2, 2, 2, 0]])
-  mask = np.asarray(attentions.attention_mask(jnp.asarray(segments), window))[0, 0, 0]
+  mask = np.asarray(attention_masks.attention_mask(jnp.asarray(segments), window))[0, 0, 0]
   for t in range(8):
     for s in range(8):
       expected = s <= t and segments[0, t] == segments[0, s] and (window == 0 or t - s < window)

@@ -1,0 +1,51 @@
+"""The masks of causal self-attention (packed segments, sliding windows, decoding's cache slots) and the logits'
+soft cap: shared by every attention kernel written in JAX (attentions.py, ring_attention.py)."""
+
+import jax.numpy as jnp
+
+# Large negative instead of -inf: a fully masked row then gives a uniform softmax instead of NaN.
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def attention_mask(segment_ids, sliding_window: int = 0, order=None):
+  """Causal mask within packed segments: query t sees key s iff s <= t and both are in the same segment.
+
+  Args:
+    segment_ids: (B, T) segment of each token (0 = padding).
+    sliding_window: > 0 also requires t - s < sliding_window (each query sees itself and the window-1 keys
+      before it, as transformers' sliding-window mask).
+    order: (T,) the original index of each token when the sequence is reordered (context_parallel), else None.
+  Returns:
+    (B, 1, 1, T, S) boolean mask, broadcastable over (kv_heads, group).
+  """
+  length = segment_ids.shape[1]
+  t = jnp.arange(length) if order is None else jnp.asarray(order)
+  allowed = t[None, :] <= t[:, None]  # (T, S) causal
+  if sliding_window > 0:
+    allowed &= t[:, None] - t[None, :] < sliding_window
+  same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]  # (B, T, S)
+  return (same_segment & allowed)[:, None, None, :, :]
+
+
+def soft_cap(x, cap: float):
+  """cap * tanh(x / cap): a smooth clip to (-cap, cap) (Gemma 2's attention and final logits)."""
+  return jnp.tanh(x / cap) * cap
+
+
+def cache_mask(positions, cache_length: int, sliding_window: int = 0):
+  """Which cache slots each query sees while decoding, where slot s holds the key of position s.
+
+  Args:
+    positions: (B, T) positions of the queries (their keys are already written at those slots).
+    cache_length: S, the slots in the cache.
+    sliding_window: > 0 also requires t - s < sliding_window, as attention_mask.
+  Returns:
+    (B, 1, 1, T, S) boolean mask. Slots after a query's position (not yet written, or the padding of a
+    prompt) are masked by causality.
+  """
+  t = positions[:, :, None]  # (B, T, 1)
+  s = jnp.arange(cache_length)[None, None, :]  # (1, 1, S)
+  allowed = s <= t
+  if sliding_window > 0:
+    allowed &= t - s < sliding_window
+  return allowed[:, None, None, :, :]
