@@ -18,7 +18,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from MaxText.layers import context_parallel
+from MaxText.layers import context_parallel, mesh_specs
 
 _MAX_BLOCK = 512
 
@@ -139,11 +139,13 @@ def flash_attention(
   make = functools.partial(make, interpret=interpret)
   if mesh.empty:
     return _local_attention(make(num_heads), query, key, value, segment_ids, segment_ids)
+  rows, shape = query.shape[0], dict(mesh.shape)
   q_spec = nn.logical_to_mesh_axes(("activation_batch", "activation_length", "activation_heads", None))
+  q_spec = mesh_specs.fit_batch(q_spec, rows, shape)
   # Keys and values whole along the length (gathered), their heads split as the queries' (resolved with the length
   # named, so that a rule like activation_kv_heads: [tensor, sequence] does not take the sequence axis for heads).
   kv_spec = nn.logical_to_mesh_axes(("activation_kv_batch", "activation_length", "activation_kv_heads", None))
-  kv_spec = P(kv_spec[0], None, *kv_spec[2:])
+  kv_spec = mesh_specs.fit_batch(P(kv_spec[0], None, *kv_spec[2:]), rows, shape)
   local_heads = num_heads // _mesh_ways(mesh, q_spec[2])
   q_shards = _mesh_ways(mesh, q_spec[1])
   if q_shards == 1:  # the sequence is whole on every device: the kernel is made per shard

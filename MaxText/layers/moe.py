@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from MaxText.layers import initializers
+from MaxText.layers import initializers, mesh_specs
 from MaxText.layers.linears import ACTIVATIONS, DenseGeneral
 
 # Names of the per-layer routing statistics sown into the "intermediates" collection.
@@ -92,23 +92,6 @@ def _dropless_local(x, weights, experts, wi, wo, activations, psum_axes):
   return jax.lax.psum(y, psum_axes) if psum_axes else y
 
 
-def _dividing_axes(axes, size: int, mesh_shape) -> tuple[str, ...]:
-  """The leading mesh axes (of size > 1) whose product divides `size`: how an array dim can be shard_mapped."""
-  out, ways = [], 1
-  for axis in axes:
-    n = mesh_shape[axis]
-    if n > 1 and size % (ways * n) == 0:
-      out.append(axis)
-      ways *= n
-  return tuple(out)
-
-
-def _as_tuple(spec_entry) -> tuple[str, ...]:
-  if spec_entry is None:
-    return ()
-  return (spec_entry,) if isinstance(spec_entry, str) else tuple(spec_entry)
-
-
 def dropless(x, weights, experts, wi, wo, activations):
   """Dropless MoE over the current mesh (plain local computation outside a mesh). Shapes as _dropless_local."""
   mesh = jax.sharding.get_abstract_mesh()
@@ -120,11 +103,13 @@ def dropless(x, weights, experts, wi, wo, activations):
     nn.logical_to_mesh_axes((name,))[0] for name in ("activation_batch", "activation_length", "mlp")
   )
   shape = dict(mesh.shape)
-  batch_axes = _dividing_axes(_as_tuple(batch_spec), x.shape[0], shape)
-  length_axes = _dividing_axes([a for a in _as_tuple(length_spec) if a not in batch_axes], x.shape[1], shape)
+  batch_axes = mesh_specs.dividing_axes(mesh_specs.as_tuple(batch_spec), x.shape[0], shape)
+  length_axes = mesh_specs.dividing_axes(
+    [a for a in mesh_specs.as_tuple(length_spec) if a not in batch_axes], x.shape[1], shape
+  )
   token_axes = set(batch_axes + length_axes)
   # The mlp dim stays sharded over the axes that do not already split the tokens; outputs are summed over them.
-  mlp_axes = _dividing_axes([a for a in _as_tuple(mlp_spec) if a not in token_axes], wo.shape[1], shape)
+  mlp_axes = mesh_specs.dividing_axes([a for a in mesh_specs.as_tuple(mlp_spec) if a not in token_axes], wo.shape[1], shape)
   tokens = PartitionSpec(batch_axes or None, length_axes or None)
   w_in, w_out = PartitionSpec(None, None, mlp_axes or None), PartitionSpec(None, mlp_axes or None, None)
   fn = jax.shard_map(

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from MaxText.layers import context_parallel
+from MaxText.layers import context_parallel, mesh_specs
 from MaxText.layers.attention_masks import _MASK_VALUE, soft_cap
 
 CONTEXT_AXIS = "context"
@@ -40,8 +40,11 @@ def sharded_ring_attention(
   Runs ring_attention under shard_map over the mesh axes of the logical rules: the queries' length over `context`
   (config: sequence parallelism is 1 with ring), the batch and heads as the rules split them.
   """
+  mesh = jax.sharding.get_abstract_mesh()
+  rows, shape = query.shape[0], dict(mesh.shape)
   q_spec = nn.logical_to_mesh_axes(("activation_batch", "activation_length", "activation_heads", None))
   kv_spec = nn.logical_to_mesh_axes(("activation_kv_batch", "activation_length", "activation_kv_heads", None))
+  q_spec, kv_spec = mesh_specs.fit_batch(q_spec, rows, shape), mesh_specs.fit_batch(kv_spec, rows, shape)
   rows_spec = P(q_spec[0], q_spec[1])
   token_index = jnp.broadcast_to(layout.token_order(query.shape[1]), segment_ids.shape)
   local = functools.partial(
@@ -50,7 +53,7 @@ def sharded_ring_attention(
   # check_vma off: a kv head replicated over an axis that splits the query heads (see ring_attention's Args).
   return jax.shard_map(
     local,
-    mesh=jax.sharding.get_abstract_mesh(),
+    mesh=mesh,
     in_specs=(q_spec, kv_spec, kv_spec, rows_spec, rows_spec),
     out_specs=q_spec,
     check_vma=False,
