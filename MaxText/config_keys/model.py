@@ -15,7 +15,7 @@ from MaxText.config_keys import NON_NEGATIVE, POSITIVE, Key, On, Range
 
 _FP8 = On("quantization", "fp8")
 _KV_CACHE = On("quantize_kvcache", True)
-_MOE = On("decoder_block", "mixtral")  # the decoder blocks with a mixture of experts
+_MOE = On("decoder_block", "mixtral", "qwen3_moe")  # the decoder blocks with a mixture of experts
 
 SECTIONS = {
   "Model": {
@@ -59,7 +59,9 @@ SECTIONS = {
       choices=MLP_ACTIVATIONS,
     ),
     # Mixture of experts
-    "num_experts": Key("Experts (gated MLPs) per MoE layer (decoder_block mixtral).", range=POSITIVE, acts_with=_MOE),
+    "num_experts": Key(
+      "Experts (gated MLPs) per MoE layer (decoder_block mixtral, qwen3_moe).", range=POSITIVE, acts_with=_MOE
+    ),
     "num_experts_per_tok": Key("Experts each token goes to (top-k); at most num_experts.", range=POSITIVE, acts_with=_MOE),
     "capacity_factor": Key(
       "<= 0: dropless; > 0: an expert takes at most length x k / experts x this tokens of a sequence.",

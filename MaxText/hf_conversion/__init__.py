@@ -6,7 +6,15 @@ Entry point: MaxText/convert_checkpoint.py.
 from MaxText.errors import UserError
 from MaxText.hf_conversion import gemma, gemma2, llama, mistral, mixtral, qwen3
 
-FAMILIES = (llama.FAMILY, mistral.FAMILY, mixtral.FAMILY, gemma.FAMILY, gemma2.FAMILY, qwen3.FAMILY)
+FAMILIES = (
+  llama.FAMILY,
+  mistral.FAMILY,
+  mixtral.FAMILY,
+  gemma.FAMILY,
+  gemma2.FAMILY,
+  qwen3.FAMILY,
+  qwen3.MOE_FAMILY,
+)
 
 
 def family_for_hf_config(hf: dict, where: str):

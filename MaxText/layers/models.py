@@ -17,7 +17,7 @@ from MaxText.layers.linears import DenseGeneral, Gemm
 from MaxText.layers.llama2 import LlamaDecoderLayer
 from MaxText.layers.mistral import MistralDecoderLayer
 from MaxText.layers.mixtral import MixtralDecoderLayer
-from MaxText.layers.qwen3 import Qwen3DecoderLayer
+from MaxText.layers.qwen3 import Qwen3DecoderLayer, Qwen3MoeDecoderLayer
 
 # decoder_block -> the family's layer and what the stack does around it (final norm, embedding scale).
 DECODER_BLOCKS = {
@@ -29,6 +29,7 @@ DECODER_BLOCKS = {
   "gemma2": gemma2.FAMILY,
   "gpt3": gpt3.FAMILY,
   "qwen3": DecoderFamily(Qwen3DecoderLayer),
+  "qwen3_moe": DecoderFamily(Qwen3MoeDecoderLayer),
 }
 
 # Collections that the scanned layers stack on axis 0 besides their params: sown statistics (e.g. MoE routing, for

@@ -60,7 +60,7 @@ def test_the_switches_are_those_the_companion_warnings_named():
     "use_vertex_tensorboard=true": ["vertex_tensorboard_project", "vertex_tensorboard_region"],
     "quantization=fp8": ["fp8_scaling", "fp8_amax_history_length"],
     "quantize_kvcache=true": ["kv_quant_axis", "kv_quant_dtype"],
-    "decoder_block=mixtral": ["num_experts", "num_experts_per_tok", "capacity_factor", "load_balance_loss_weight"],
+    "decoder_block=mixtral|qwen3_moe": ["num_experts", "num_experts_per_tok", "capacity_factor", "load_balance_loss_weight"],
     "enable_dropout=true": ["dropout_rate"],
     "enable_checkpointing=true": ["async_checkpointing", "checkpoint_period"],
     "quantization=intmp": ["quant_cfg_path"],

@@ -45,6 +45,10 @@ FAMILIES = {
   "gemma": ("gemma", {}),
   "gemma2": ("gemma2", {"sliding_window": 16}),  # query_pre_attn_scalar 256, soft caps 50 and 30 (defaults)
   "qwen3": ("qwen3", {}),
+  "qwen3_moe": (
+    "qwen3_moe",
+    {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "norm_topk_prob": True},
+  ),
 }
 PARITY = {}  # family -> (max_abs_diff, kl), printed at the end of the module
 

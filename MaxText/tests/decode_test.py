@@ -27,7 +27,8 @@ DECODE_PY = os.path.join("MaxText", "decode.py")
 ATOL = 1e-5
 PROMPT = [1, 5, 9, 200, 7, 31]  # 6 tokens, padded to max_prefill_predict_length=8; 16 more are generated
 DECODE_KEYS = ["max_target_length=24", "max_prefill_predict_length=8", "per_device_batch_size=2", "remat_policy=none"]
-FAMILY_ARGS = dict(FAMILIES, default=[], mixtral=["num_experts=4", "num_experts_per_tok=2"])
+_MOE_ARGS = ["num_experts=4", "num_experts_per_tok=2"]
+FAMILY_ARGS = dict(FAMILIES, default=[], mixtral=_MOE_ARGS, qwen3_moe=[*FAMILIES["qwen3"], *_MOE_ARGS])
 _OUTPUT_LINE = re.compile(r"^Input `(.*)` -> `(.*)`$", re.M)
 
 

@@ -93,3 +93,13 @@ def test_mixture_of_experts_counts_the_experts_each_token_runs():
   active_matmul_params = 12.9e9 - config.vocab_size * config.emb_dim
   expected = 6 * active_matmul_params * 2048 / 1e12  # 2 FLOPs per multiply-add, x3 for forward and backward
   assert flops.training_tflops_per_device(config).learnable_tflops == pytest.approx(expected, rel=0.01)
+
+
+def test_qwen3_moe_counts_the_active_experts():
+  """qwen3-30b-a3b: 3 x 2 FLOPs per active weight and token; 3.35B active weights (8 of 128 experts, the router,
+  attention and the untied logits; the embedding lookup is no matmul) = 3.04B in matmuls."""
+  config = _config("model_name=qwen3-30b-a3b", "per_device_batch_size=1", "max_target_length=2048")
+  step = flops.training_tflops_per_device(config)
+  per_layer = 2048 * (32 + 2 * 4) * 128 + 32 * 128 * 2048 + 8 * 3 * 2048 * 768 + 2048 * 128
+  active = 48 * per_layer + 2048 * 151936
+  assert step.learnable_tflops * 1e12 == pytest.approx(6 * active * 2048, rel=1e-9)

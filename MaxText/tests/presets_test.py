@@ -31,6 +31,8 @@ PUBLISHED = {
   "gpt3-175b": (175_000_000_000, "Brown et al. 2020, Language Models are Few-Shot Learners, Table 2.1 (175.0B)"),
   "qwen3-0.6b": (596_049_920, "Qwen/Qwen3-0.6B"),
   "qwen3-8b": (8_190_735_360, "Qwen/Qwen3-8B"),
+  "qwen3-30b-a3b": (30_500_000_000, "Qwen/Qwen3-30B-A3B model card: 30.5B in total, 3.3B activated"),
+  "qwen3-235b-a22b": (235_000_000_000, "Qwen/Qwen3-235B-A22B model card: 235B in total, 22B activated"),
 }
 
 
