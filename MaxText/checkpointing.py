@@ -467,6 +467,23 @@ def restore_data_position(config, data_iterator, data_state) -> None:
     ) from None
 
 
+def newest_complete_step(checkpoint_dir: str) -> int | None:
+  """The step of the newest committed checkpoint in checkpoint_dir (Orbax's test: no tmp suffix, or a commit file on
+  GCS), or None; a save that did not finish is not one."""
+  steps = ocp.path.step.checkpoint_steps(checkpoint_dir)
+  return max(steps) if steps else None
+
+
+def resume_note(config) -> str:
+  """Where the same command resumes: the newest complete checkpoint (a sentence, for the lines of a stopped run)."""
+  if not config.enable_checkpointing:
+    return "Checkpointing is off (enable_checkpointing=false): the same command starts over."
+  step = newest_complete_step(config.checkpoint_dir)
+  if step is None:
+    return "No checkpoint is complete: the same command starts over."
+  return f"Rerun the same command to resume from the newest complete checkpoint, of step {step}."
+
+
 def save_checkpoint(manager, step: int, state, data_iterator, dataset_type: str | None = None) -> float:
   """Starts saving the state after `step` (asynchronously if configured); returns the seconds the caller was blocked.
 

@@ -13,10 +13,13 @@ jax_distributed_init=always forces JAX's cluster detection where none of these s
 outside GKE whose environment says nothing); never skips it.
 
 A coordinator that cannot be reached, or processes that never join, end the process with one line naming
-the coordinator within distributed_init_timeout seconds: JAX itself would abort with a C++ stack trace.
+the coordinator within distributed_init_timeout seconds: JAX itself would abort with a C++ stack trace. Once the job
+is up, a process that dies ends the others with one line within distributed_heartbeat_timeout seconds
+(peer_monitor.py).
 """
 
 import glob
+import inspect
 import os
 import socket
 import sys
@@ -25,7 +28,7 @@ import time
 
 import jax
 
-from MaxText import max_logging
+from MaxText import max_logging, peer_monitor
 from MaxText.errors import ConfigError
 
 DEFAULT_COORDINATOR_PORT = 1234
@@ -112,7 +115,14 @@ def _fail(message: str) -> None:
   os._exit(2)  # pylint: disable=protected-access
 
 
-def initialize(mode: str, hardware: str, timeout_s: int, environ=None) -> None:
+def _heartbeat_kwargs(heartbeat_timeout_s: int) -> dict:
+  """JAX's heartbeat timeout, later than peer_monitor's, where this jax's initialize takes one."""
+  if "heartbeat_timeout_seconds" not in inspect.signature(jax.distributed.initialize).parameters:
+    return {}
+  return {"heartbeat_timeout_seconds": peer_monitor.jax_heartbeat_timeout(heartbeat_timeout_s)}
+
+
+def initialize(mode: str, hardware: str, timeout_s: int, environ=None, heartbeat_timeout_s: int = 60) -> None:
   """Initialises jax.distributed when the environment asks for it (see the module doc); no-op otherwise.
 
   Args:
@@ -120,6 +130,7 @@ def initialize(mode: str, hardware: str, timeout_s: int, environ=None) -> None:
     hardware: the hardware key.
     timeout_s: distributed_init_timeout: seconds to reach the coordinator and for every process to join.
     environ: the process environment (default os.environ).
+    heartbeat_timeout_s: distributed_heartbeat_timeout: seconds after which a silent process is lost (peer_monitor).
   """
   environ = os.environ if environ is None else environ
   kwargs = cluster_kwargs(mode, hardware, environ)
@@ -148,13 +159,16 @@ def initialize(mode: str, hardware: str, timeout_s: int, environ=None) -> None:
 
   threading.Thread(target=watchdog, name="jax-distributed-init-watchdog", daemon=True).start()
   try:
-    jax.distributed.initialize(**kwargs, initialization_timeout=timeout_s + _JAX_DEADLINE_MARGIN_S)
+    jax.distributed.initialize(
+      **kwargs, initialization_timeout=timeout_s + _JAX_DEADLINE_MARGIN_S, **_heartbeat_kwargs(heartbeat_timeout_s)
+    )
   except (ValueError, RuntimeError) as e:  # e.g. JAX's detection found no cluster under jax_distributed_init=always
     hint = "" if address else " (no cluster found: set JAX_COORDINATOR_ADDRESS, NNODES and NODE_RANK)"
     raise ConfigError(f"jax.distributed could not start ({who}, {where}): {e}{hint}") from None
   finally:
     done.set()
   max_logging.log(f"jax.distributed ready: process {jax.process_index()} of {jax.process_count()}")
+  peer_monitor.start(heartbeat_timeout_s)
   gpus_per_node = environ.get("GPUS_PER_NODE")
   if gpus_per_node and gpus_per_node.isdigit() and jax.local_device_count() != int(gpus_per_node):
     max_logging.warn(

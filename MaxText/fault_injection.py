@@ -4,6 +4,8 @@
   (checkpointing.save_checkpoint), so a test can check that the restarted run resumes from its last good checkpoint.
 - hang_at_step:<step>: the training loop blocks in Python before step <step> (diagnostics/loop.py), so a test can
   check that the step watchdog names the hung process and that every process dumps its stacks.
+- kill_in_step:<step>: the process SIGKILLs itself once step <step> is dispatched, while it runs (diagnostics/loop.py),
+  so a test can check that the other processes of the job report it lost (peer_monitor.py).
 """
 
 import os
@@ -18,6 +20,7 @@ from MaxText.errors import UserError
 ENV = "MAXTEXT_FAULT_INJECTION"
 KILL_DURING_SAVE = "kill_during_save"
 HANG_AT_STEP = "hang_at_step"
+KILL_IN_STEP = "kill_in_step"
 
 
 def requested(kind: str) -> int | None:
@@ -36,6 +39,13 @@ def kill_during_save(step: int) -> None:
   """Called once the save of `step` has started: SIGKILLs this process if kill_during_save:<step> was asked for."""
   if requested(KILL_DURING_SAVE) == step:
     max_logging.warn(f"{ENV}: killing the process while the save of step {step} is in flight")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_in(step: int) -> None:
+  """Called once `step` is dispatched: SIGKILLs this process if kill_in_step:<step> was asked for."""
+  if requested(KILL_IN_STEP) == step:
+    max_logging.warn(f"{ENV}: killing process {jax.process_index()} in step {step}")
     os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -467,7 +467,13 @@ def initialize(
     devices = _compile_topology_devices(values)
   if devices is None:  # given devices (an AOT topology, a test) need no cluster
     jax_runtime.skip_absent_tpu(values["hardware"], environ)
-    cluster.initialize(values["jax_distributed_init"], values["hardware"], values["distributed_init_timeout"], environ)
+    cluster.initialize(
+      values["jax_distributed_init"],
+      values["hardware"],
+      values["distributed_init_timeout"],
+      environ,
+      heartbeat_timeout_s=values["distributed_heartbeat_timeout"],
+    )
     devices = jax.devices()
     _check_hardware(values["hardware"], devices)
   _derive_device_values(values, sources, devices)

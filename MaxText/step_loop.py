@@ -7,7 +7,17 @@ when due. The metric logger reports the steps; this loop decides when training s
 
 import time
 
-from MaxText import checkpointing, evaluation, max_logging, metric_logger, metrics_file, sharding, train_step, wandb_log
+from MaxText import (
+  checkpointing,
+  evaluation,
+  max_logging,
+  metric_logger,
+  metrics_file,
+  peer_monitor,
+  sharding,
+  train_step,
+  wandb_log,
+)
 from MaxText import goodput as goodput_events
 from MaxText.diagnostics import loop as diagnostics_loop
 from MaxText.diagnostics import nonfinite, numerics_log, plots
@@ -72,6 +82,8 @@ class StepLoop:
     except Exception as error:
       # Eval, data, logging: an error outside the compiled step keeps what was trained since the last checkpoint.
       # A non-finite step (nonfinite_action=abort) saves nothing: the last checkpoint is the last good state.
+      # A collective that failed because a process was lost: peer_monitor ends the process with one line, unsaved.
+      peer_monitor.wait_if_lost(error)
       if isinstance(error, nonfinite.NonFiniteError):
         self.logger.discard_pending()  # the steps after the bad one are not reported: the error is the last line
       elif self.manager is not None and not self.in_step:
@@ -104,6 +116,7 @@ class StepLoop:
         self.batch = next(self.data_iterator)
         data = time.perf_counter() - started
       self._timing = (step, started, data)
+      peer_monitor.note_step(step)
       self.in_step = True
       state, metrics = self.p_train_step(state, self.batch)
       self.in_step = False

@@ -56,12 +56,13 @@ def _prepare_run_dir(config) -> None:
 def train_loop(config):
   """Trains until config.steps (or an early stop: step_loop) and returns the final train state."""
   # pylint: disable=import-outside-toplevel
-  from MaxText import aot_compile, checkpointing, goodput, max_logging, step_loop, train_state
+  from MaxText import aot_compile, checkpointing, goodput, max_logging, peer_monitor, step_loop, train_state
   from MaxText.evaluation import check_eval_data
   from MaxText.input_pipeline.input_pipeline_interface import create_data_iterator
   from MaxText.mesh import create_device_mesh
 
   _prepare_run_dir(config)
+  peer_monitor.set_resume_note(lambda: checkpointing.resume_note(config))  # for the line on a lost process
   events = goodput.recorder(config)
   events.event("job_start")
   mesh = create_device_mesh(config)

@@ -83,6 +83,10 @@ SECTIONS = {
     "distributed_init_timeout": Key(
       "Seconds for every process to join before an error naming the coordinator.", range=POSITIVE
     ),
+    "distributed_heartbeat_timeout": Key(
+      "Seconds without a heartbeat after which a process is lost: the others stop with one line naming it (exit 75).",
+      range=POSITIVE,
+    ),
     # Numerics
     "numerics_debug_config": Key(
       "YAML file selecting dense layers whose GEMM statistics are logged (docs/diagnostics.md); empty: off."

@@ -1,4 +1,4 @@
-"""What the training loop calls around its steps: the profiler, the step watchdog, and a test's injected hang."""
+"""What the training loop calls around its steps: the profiler, the step watchdog, and a test's injected hang or kill."""
 
 import contextlib
 
@@ -23,6 +23,7 @@ class LoopDiagnostics:
     self.profiler.before_step(step, state)
     with jax.profiler.StepTraceAnnotation("train", step_num=step):
       yield
+    fault_injection.kill_in(step)  # a test's SIGKILL while the step runs (MAXTEXT_FAULT_INJECTION=kill_in_step:<step>)
 
   def after_step(self, step: int, metrics) -> None:
     """After the step's metrics were handed to the logger: the heartbeat, and the profiler's last step."""
