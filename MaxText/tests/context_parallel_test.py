@@ -207,3 +207,43 @@ def test_context_parallelism_compiles_for_tpu(strategy):
     assert "tpu_custom_call" in hlo  # the Mosaic kernel, not the interpreter
   else:
     assert "collective-permute" in hlo
+
+
+_STEP_SHAPES = """
+import json, re, sys
+from MaxText import aot_compile, pyconfig
+from MaxText.tests.helpers import BASE_YML, tiny_args
+found = {}
+for strategy in ("ring", "all_gather"):
+  args = tiny_args("compile_topology=cpu-8", "dataset_type=synthetic", "max_target_length=256", "per_device_batch_size=1")
+  args += ["ici_context_parallelism=4", f"context_parallel_strategy={strategy}", "attention=dot_product"]
+  config = pyconfig.initialize(["t", BASE_YML, "run_name=t", *args], environ={}, for_compile_topology=True)
+  hlo = aot_compile.compile_for_target(config).compiled.as_text()
+  # Arrays of head_dim 8 that span the whole 256-token sequence: queries, keys or values (or their gradients).
+  found[strategy] = sorted(set(re.findall(r"\\w+\\[(?:\\d+,)*256(?:,\\d+)*,8\\]", hlo)))
+print(json.dumps(found))
+"""
+
+
+def test_ring_never_holds_the_whole_key_value_sequence():
+  """The compiled train step (8 CPU devices, context 4, 256 tokens, 64 per device): with ring no array of heads spans
+  the sequence; with all_gather the gathered keys and values do (which shows the search finds them)."""
+  env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0", "JAX_PLATFORMS": "cpu"}
+  result = run_python(["-c", _STEP_SHAPES], env_extra=env)
+  assert result.returncode == 0, result.stderr[-3000:]
+  found = json.loads(result.stdout.strip().splitlines()[-1])
+  assert found["ring"] == [], found
+  assert "f32[4,256,2,8]" in found["all_gather"], found  # 4 rows of keys: 256 tokens, 2 kv heads of 8
+
+
+@pytest.mark.slow  # about 3 minutes on 2 cores: a 31.7B model on 256 devices, the splash mask of 65536 tokens
+def test_upstreams_long_context_aot_case_compiles_and_fits():
+  """Upstream's own train_compile.py case, refused before with `attention=flash cannot shard the sequence`."""
+  from MaxText import aot_compile  # pylint: disable=import-outside-toplevel
+
+  args = ["compile_topology=v5e-256", "compile_topology_num_slices=1", "use_iota_embed=true", "ici_sequence_parallelism=16"]
+  args += ["global_parameter_scale=32", "per_device_batch_size=0.0625", "max_target_length=65536"]
+  config = pyconfig.initialize(["test", BASE_YML, "run_name=t", *args], environ={}, for_compile_topology=True)
+  assert config.attention == "flash"
+  outcome = aot_compile.compile_for_target(config)
+  assert outcome.fits and outcome.compiler_error == ""
