@@ -82,8 +82,9 @@ def _ring(values) -> bool:
   return values.get("context_parallel_strategy") == "ring" and context != 1
 
 
-def _check_flash_heads(values, mesh_shape: dict) -> None:
-  """The splash kernel runs per shard of the heads: the mesh axes of the heads' rules must split them evenly."""
+def _check_heads_split(values, mesh_shape: dict, what: str) -> None:
+  """The mesh axes of the heads' rules must split the query and key/value heads evenly: the splash kernel runs per
+  head shard, and context parallelism's gathered keys with unevenly split kv heads gave wrong gradients (XLA CPU)."""
   for name, key in (("activation_heads", "num_query_heads"), ("activation_kv_heads", "num_kv_heads")):
     axes = next((a for rule, a in values["logical_axis_rules"] if rule == name), None) or ()
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
@@ -91,8 +92,8 @@ def _check_flash_heads(values, mesh_shape: dict) -> None:
     if values[key] % ways:
       split = " x ".join(f"{a} {mesh_shape.get(a, 1)}" for a in axes if mesh_shape.get(a, 1) > 1)
       raise ConfigError(
-        f"attention=flash splits the heads over {split} = {ways} ways, which {key}={values[key]} does not divide: "
-        "split them fewer ways (a long sequence can go over context instead of sequence), or use attention=dot_product"
+        f"{what} splits the heads over {split} = {ways} ways, which {key}={values[key]} does not divide: split them "
+        "fewer ways (a long sequence can go over context instead of sequence), or use more heads"
       )
 
 
@@ -102,9 +103,11 @@ def check_length_sharding(values, mesh_shape: dict) -> None:
   sequence, context = mesh_shape.get("sequence", 1), mesh_shape.get("context", 1)
   length = values["max_target_length"]
   if values["attention"] == "flash":
-    _check_flash_heads(values, mesh_shape)
+    _check_heads_split(values, mesh_shape, "attention=flash")
   if sequence * context == 1:
     return
+  if context > 1:
+    _check_heads_split(values, mesh_shape, f"context parallelism ({context})")
   if length % (sequence * context):
     raise ConfigError(
       f"max_target_length={length} must be divisible by {sequence * context}: the sequence is split over "

@@ -187,6 +187,9 @@ def test_flash_heads_must_divide_over_sequence():
   ]
   with pytest.raises(ConfigError, match="splits the heads over sequence 16 = 16 ways, which num_kv_heads=8 does not divide"):
     attention_selection.check_length_sharding(values, {"sequence": 16})
+  values.update(attention="dot_product", context_parallel_load_balance=True, context_parallel_strategy="all_gather")
+  with pytest.raises(ConfigError, match=r"context parallelism \(2\) splits the heads over sequence 16 = 16 ways"):
+    attention_selection.check_length_sharding(values, {"sequence": 16, "context": 2})
 
 
 @pytest.mark.slow  # the splash kernel compiles for TPU in a minute or more on 2 cores
