@@ -18,7 +18,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from MaxText import fault_injection, max_logging, params_layout
+from MaxText import disk_full, fault_injection, max_logging, params_layout
 from MaxText.errors import UserError
 from MaxText.input_pipeline.batching import merge_process_states
 
@@ -80,6 +80,7 @@ def create_checkpoint_manager(config) -> ocp.CheckpointManager | None:
   if not config.enable_checkpointing:
     max_logging.log("Checkpointing is disabled (enable_checkpointing=false).")
     return None
+  disk_full.quiet_library_reports()  # a full disk is one line, not the library's report of each failed write
   options = ocp.CheckpointManagerOptions(
     save_interval_steps=1,  # train.py decides when to save (period, last step, preemption)
     max_to_keep=config.max_num_checkpoints_to_keep,
@@ -484,17 +485,29 @@ def resume_note(config) -> str:
   return f"Rerun the same command to resume from the newest complete checkpoint, of step {step}."
 
 
+def wait_for_saves(manager) -> None:
+  """Waits for the save in flight; a full disk is a disk_full.DiskFullError naming its step."""
+  step = manager.latest_step()  # Orbax lists a save from its start
+  disk_full.raise_if_full(
+    manager.directory, step, manager.wait_until_finished, lambda: newest_complete_step(manager.directory)
+  )
+
+
 def save_checkpoint(manager, step: int, state, data_iterator, dataset_type: str | None = None) -> float:
   """Starts saving the state after `step` (asynchronously if configured); returns the seconds the caller was blocked.
+
+  A full disk, in this save or in the asynchronous one before it, is a disk_full.DiskFullError.
 
   dataset_type: saved with the data position, so that a resume with another one is refused (restore_data_position).
   """
   start = time.time()
+  wait_for_saves(manager)  # Orbax's save waits for the one in flight too; here its failure names its own step
   data_state = data_iterator.get_state()
   if dataset_type is not None:
     data_state = {**data_state, "dataset_type": dataset_type}
   args = {STATE_ITEM: ocp.args.StandardSave(state), DATA_ITEM: DataIteratorSave(data_state)}
-  manager.save(step, args=ocp.args.Composite(**args), force=True)
+  save = lambda: manager.save(step, args=ocp.args.Composite(**args), force=True)
+  disk_full.raise_if_full(manager.directory, step, save, lambda: newest_complete_step(manager.directory))
   fault_injection.kill_during_save(step)  # a test's SIGKILL while the save is in flight
   return time.time() - start
 

@@ -19,8 +19,9 @@ class ConfigError(UserError):
 def run_and_exit_on_user_error(main, argv) -> None:
   """Runs an entry point's main(argv); a UserError becomes one line on stderr and exit status 2.
 
-  In a multi-process job, an error that a lost process may have caused waits for peer_monitor's verdict first, and
-  a main that returns tells the other processes that this one ended normally.
+  In a multi-process job, an error that a lost process may have caused waits for peer_monitor's verdict first; an
+  error ends the process at once after its line, telling the other processes (peer_monitor.exit_after_error); a main
+  that returns tells them that this one ended normally.
 
   `-h`/`--help` prints the entry point's module docstring (its usage) instead, then, for an entry point that reads
   a config (it imports pyconfig), every config key with its type, default, valid values and help.
@@ -42,12 +43,15 @@ def run_and_exit_on_user_error(main, argv) -> None:
   except UserError as e:
     peer_monitor.wait_if_lost(e)
     print(f"Error: {e}", file=sys.stderr, flush=True)
+    peer_monitor.exit_after_error(2)
     sys.exit(2)
   except KeyboardInterrupt as e:  # Ctrl-C before the step loop, or a second one in it: where it landed, not a traceback
     print(f"Interrupted (Ctrl-C){_where(e)}", file=sys.stderr, flush=True)
+    peer_monitor.exit_after_error(130)
     sys.exit(130)
   except Exception as e:  # a failed collective of a multi-process job: a lost process is reported in one line instead
     peer_monitor.wait_if_lost(e)
+    peer_monitor.exit_after_error(1, e)
     raise
   peer_monitor.finished()  # the other processes of the job no longer watch this one
 

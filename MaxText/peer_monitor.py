@@ -17,22 +17,30 @@ through jax.distributed's key-value store, and JAX's timeout is set later than o
   saved: the state of a step that was in flight is not whole, and a save in flight never commits, since Orbax
   commits a checkpoint only after every process wrote its part.
 
-A process that ends normally writes "done" (finished()) and is no longer watched. One that stops with an error does
-not: the others, possibly waiting for it in a collective, end as above. If process 0 itself dies, the store dies with
-it and JAX's client ends every other process at once with its own fatal error (exit 134): no Python code runs there.
+A process that ends normally writes "done" (finished()) and is no longer watched. One that stops with an error says
+so after its own line (exit_after_error: "failed", or process 0's verdict on itself) and exits at once, without JAX's
+shutdown (which would wait for the others): the others, possibly waiting for it in a collective, end as above after a
+grace of a few intervals, in which those that meet the same error print their own. If process 0 itself dies, the
+store dies with it and JAX's client ends every other process at once with its own fatal error (exit 134): no Python
+code runs there.
 """
 
 import os
 import sys
 import threading
 import time
+import traceback
 
 EXIT_STATUS = os.EX_TEMPFAIL  # 75: a temporary failure; the same command resumes from the last complete checkpoint
 ALIVE_DIR = "maxtext/alive/"
 LOST_DIR = "maxtext/lost/"
 DONE = "done"
+FAILED = "failed"  # the process stops with an error of its own (its output says which)
 LEAVING = "leaving"  # a survivor read the verdict and exits
 
+# The intervals that the others get, after a process stopped with an error, to meet the same error (e.g. a config or
+# checkpoint mistake that every process meets, at times apart by their compile times) before they are told of it.
+_FAILED_GRACE_INTERVALS = 5
 _monitor = None  # this process's PeerMonitor, or None (a single process, or not started)
 
 
@@ -67,6 +75,7 @@ class PeerMonitor:
     """
     self.client, self.index, self.count, self.timeout_s = client, process_index, process_count, timeout_s
     self.interval, self.threshold = timings(timeout_s)
+    self.grace = _FAILED_GRACE_INTERVALS * self.interval
     self.clock = clock
     self.exit_fn = exit_fn or os._exit  # pylint: disable=protected-access
     self.step = None  # the step the main thread is in (note_step)
@@ -75,30 +84,45 @@ class PeerMonitor:
     self._done = False
     self._seen = {}  # process index -> (its last counter, the clock when it changed)
     self._finished = set()  # processes that ended normally
+    self._failed_since = {}  # process index -> the clock when process 0 first saw it failed
     self._started = clock()  # a process not heard of yet counts as silent since then
     self._store_ok_since = self._started  # the last successful call to the store
     self._waited = False  # the main thread waited a whole timeout once and no process was lost
-    self._verdict = threading.Event()  # set when this process knows of a lost one
-    self._stop = threading.Event()
+    self._verdict = threading.Event()  # set when this process knows of a lost one (or stops with an error)
     self._thread = None
 
   def start(self) -> None:
     self._thread = threading.Thread(target=self._run, name="maxtext-peer-monitor", daemon=True)
     self._thread.start()
 
-  def stop(self) -> None:
-    self._stop.set()
-
   def finished(self) -> None:
     """This process ended normally: the others no longer watch it (it keeps watching them until it exits)."""
     self._done = True
-    self._set(DONE)
+    try:
+      self._set(DONE)
+    except Exception:  # pylint: disable=broad-except  # a run that ended well stays so; the others may time out
+      pass
+
+  def failed(self) -> None:
+    """This process stops with an error, already printed: the others are told now, not after the timeout (they may be
+    waiting for it in a collective). Process 0 holds the store, so it waits for them to read it."""
+    self._verdict.set()  # from now on the thread reports nothing: this process's own error is its last line
+    try:
+      if self.index == 0:
+        # An error that every process meets (a config or checkpoint mistake): each one's own line is its last.
+        self._wait_for_others(lambda value: value in (FAILED, DONE), self.grace)
+        self._publish(0, f"lost process 0 of {self.count} (it stopped with an error: see its output)")
+      else:
+        self._set(FAILED)
+    except Exception:  # pylint: disable=broad-except  # the store may be gone too; the others then time out
+      pass
 
   def _set(self, value: str) -> None:
     self.client.key_value_set(f"{ALIVE_DIR}{self.index}", value, allow_overwrite=True)
 
   def _run(self) -> None:
-    while not self._stop.wait(self.interval):
+    while True:
+      time.sleep(self.interval)
       self.tick()
 
   def tick(self) -> None:
@@ -128,6 +152,10 @@ class PeerMonitor:
       index = int(key.rsplit("/", 1)[-1])
       if value == DONE:
         self._finished.add(index)
+      elif value == FAILED:
+        # Reported after a grace: should this process stop with the same error meanwhile, its own line is its last.
+        if now - self._failed_since.setdefault(index, now) >= self.grace:
+          return self._publish(index, f"lost process {index} of {self.count} (it stopped with an error: see its output)")
       elif index not in self._seen or self._seen[index][0] != value:
         self._seen[index] = (value, now)
     for index in range(self.count):
@@ -135,23 +163,31 @@ class PeerMonitor:
         continue
       silent = now - self._seen.get(index, (None, self._started))[1]
       if silent > self.threshold:
-        verdict = (
+        return self._publish(
+          index,
           f"lost process {index} of {self.count} (no heartbeat for {silent:.0f} s, "
-          f"distributed_heartbeat_timeout={self.timeout_s})"
+          f"distributed_heartbeat_timeout={self.timeout_s})",
         )
-        self.client.key_value_set(f"{LOST_DIR}{index}", verdict, allow_overwrite=True)
-        self._wait_for_survivors(index)
-        return verdict
     return None
+
+  def _publish(self, lost: int, verdict: str) -> str:
+    """Process 0: the verdict for the other survivors, once they have read it (or 2 intervals passed)."""
+    self.client.key_value_set(f"{LOST_DIR}{lost}", verdict, allow_overwrite=True)
+    self._wait_for_survivors(lost)
+    return verdict
 
   def _wait_for_survivors(self, lost: int) -> None:
     """Process 0 holds the store: it waits (up to 2 intervals) until the other survivors have read the verdict."""
+    self._wait_for_others(lambda value: value in (LEAVING, FAILED), 2 * self.interval, lost)
+
+  def _wait_for_others(self, left, seconds: float, lost: int | None = None) -> None:
+    """Process 0: waits up to `seconds` until every other process (but `lost` and those done) has a value `left`."""
     others = set(range(1, self.count)) - {lost} - self._finished
-    deadline = time.monotonic() + 2 * self.interval
+    deadline = time.monotonic() + seconds
     while others and time.monotonic() < deadline:
-      leaving = {int(k.rsplit("/", 1)[-1]) for k, v in self.client.key_value_dir_get(ALIVE_DIR) if v == LEAVING}
-      others -= leaving
-      time.sleep(self.interval / 10)
+      others -= {int(k.rsplit("/", 1)[-1]) for k, v in self.client.key_value_dir_get(ALIVE_DIR) if left(v)}
+      if others:
+        time.sleep(self.interval / 10)
 
   def _read_verdict(self) -> str | None:
     entries = self.client.key_value_dir_get(LOST_DIR)
@@ -227,6 +263,20 @@ def finished() -> None:
   """This process ended normally (its entry point returned)."""
   if _monitor is not None:
     _monitor.finished()
+
+
+def exit_after_error(status: int, error: BaseException | None = None) -> None:
+  """In a multi-process job, ends this process with `status` once its error is printed (`error`: printed here, with
+  its traceback), after telling the others; no-op with one process. JAX's shutdown at exit would wait for the others,
+  which may be waiting for this one."""
+  if _monitor is None:
+    return
+  if error is not None:
+    traceback.print_exception(error)
+  _monitor.failed()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  _monitor.exit_fn(status)
 
 
 def wait_if_lost(error: BaseException) -> None:

@@ -9,6 +9,7 @@ import time
 
 from MaxText import (
   checkpointing,
+  disk_full,
   evaluation,
   max_logging,
   metric_logger,
@@ -86,6 +87,8 @@ class StepLoop:
       peer_monitor.wait_if_lost(error)
       if isinstance(error, nonfinite.NonFiniteError):
         self.logger.discard_pending()  # the steps after the bad one are not reported: the error is the last line
+      elif isinstance(error, disk_full.DiskFullError):
+        pass  # the disk is full: another save would fail too, and the error names the checkpoint that stays the latest
       elif self.manager is not None and not self.in_step:
         self._save_before_exit(state, error)
       raise
@@ -184,7 +187,7 @@ class StepLoop:
 
   def _finish(self, state, stop: str | None) -> None:
     if self.manager is not None:
-      self.manager.wait_until_finished()
+      checkpointing.wait_for_saves(self.manager)
     plots.write_run_plot(self.config, self.logger.history)
     if stop:
       last_step = int(state.step) - 1  # the last step that updated the weights

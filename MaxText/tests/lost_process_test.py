@@ -195,3 +195,28 @@ def test_only_runtime_errors_wait_for_the_verdict():
   except RuntimeError as error:
     monitor.wait_for_verdict(error)  # no verdict comes: it returns after the timeout
   assert time.monotonic() - started >= 0.05
+
+
+def test_a_process_that_stops_with_an_error_is_lost_to_the_others_at_once(capsys):
+  clock, store, exits = _Clock(), _Store(), []
+  monitors = _monitors(3, clock, store, exits, timeout_s=1)
+  for m in monitors:
+    m.tick()
+  monitors[2].failed()  # its own error line is printed; it tells the others and exits
+  monitors[2].tick()  # it reports nothing more
+  while not exits and clock.now < 200:  # the others are told after a grace, in which they may meet the error too
+    clock.now += monitors[0].interval
+    for m in monitors[:2]:
+      m.tick()
+  grace, interval = monitors[0].grace, monitors[0].interval
+  assert exits == [(0, 75), (1, 75)] and grace < clock.now - 100 <= grace + 2 * interval + 1e-9
+  lines = capsys.readouterr().err.strip().splitlines()
+  assert all(line.startswith("Error: lost process 2 of 3 (it stopped with an error: see its output)") for line in lines)
+  assert len(lines) == 2
+
+  clock, store, exits = _Clock(), _Store(), []
+  monitors = _monitors(2, clock, store, exits, timeout_s=1)
+  monitors[0].failed()  # process 0 (the store's host) waits a grace, then for the others to read its verdict
+  monitors[1].tick()
+  assert exits == [(1, 75)]
+  assert capsys.readouterr().err.startswith("Error: lost process 0 of 2 (it stopped with an error: see its output)")
