@@ -6,6 +6,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
 from MaxText import max_logging
+from MaxText.errors import UserError
 
 
 def slice_attribute(devices) -> str | None:
@@ -36,18 +37,26 @@ def create_device_mesh(config, devices=None) -> Mesh:
   devices = jax.devices()[: config.num_devices] if devices is None else devices
   ici, dcn = list(config.ici_parallelism), list(config.dcn_parallelism)
   on_cpu = devices[0].platform == "cpu"  # CPU devices have no physical topology to respect
-  if config.num_slices > 1:
-    grid = mesh_utils.create_hybrid_device_mesh(
-      ici,
-      dcn,
-      devices,
-      process_is_granule=slice_attribute(devices) == "process_index",
-      allow_split_physical_axes=config.allow_split_physical_axes,
-    )
-  elif not on_cpu:
-    grid = mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=config.allow_split_physical_axes)
-  else:
-    grid = np.array(devices).reshape(ici)
+  try:
+    if config.num_slices > 1:
+      grid = mesh_utils.create_hybrid_device_mesh(
+        ici,
+        dcn,
+        devices,
+        process_is_granule=slice_attribute(devices) == "process_index",
+        allow_split_physical_axes=config.allow_split_physical_axes,
+      )
+    elif not on_cpu:
+      grid = mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=config.allow_split_physical_axes)
+    else:
+      grid = np.array(devices).reshape(ici)
+  except NotImplementedError as error:  # jax cannot lay the axes out on the physical torus
+    shape = ", ".join(f"{axis}={n}" for axis, n in zip(config.mesh_axes, ici) if n > 1)
+    raise UserError(
+      f"the mesh ({shape}) does not fit the devices' physical axes: each mesh axis must be a product of whole "
+      f"physical axes ({' '.join(str(error).split())[:200]}); set allow_split_physical_axes=true to let an axis span "
+      "parts of several, or choose sizes that fit"
+    ) from None
   mesh = Mesh(grid, config.mesh_axes)
   slices = f" in {config.num_slices} slices" if config.num_slices > 1 else ""
   max_logging.log(f"Mesh: {len(devices)} devices{slices}, shape {dict(mesh.shape)}")

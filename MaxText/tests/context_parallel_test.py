@@ -250,3 +250,17 @@ def test_upstreams_long_context_aot_case_compiles_and_fits():
   assert config.attention == "flash"
   outcome = aot_compile.compile_for_target(config)
   assert outcome.fits and outcome.compiler_error == ""
+
+
+def test_a_mesh_the_torus_cannot_hold_is_one_line():
+  """v5p-256 is a 4x4x8 torus of 128 chips: a context axis of 64 spans parts of two physical axes."""
+  from MaxText import aot_compile  # pylint: disable=import-outside-toplevel
+  from MaxText.errors import UserError  # pylint: disable=import-outside-toplevel
+
+  args = tiny_args(
+    "compile_topology=v5p-256", "ici_context_parallelism=64", "ici_fsdp_parallelism=2", "attention=dot_product"
+  )
+  args.append("max_target_length=256")
+  config = pyconfig.initialize(["test", BASE_YML, "run_name=t", *args], environ={}, for_compile_topology=True)
+  with pytest.raises(UserError, match="does not fit the devices' physical axes.*set allow_split_physical_axes=true"):
+    aot_compile.compile_for_target(config)
