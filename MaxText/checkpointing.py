@@ -18,7 +18,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from MaxText import disk_full, fault_injection, max_logging, params_layout
+from MaxText import checkpoint_loggers, disk_full, fault_injection, max_logging, params_layout, single_replica_restore
 from MaxText.errors import UserError
 from MaxText.input_pipeline.batching import merge_process_states
 
@@ -89,18 +89,8 @@ def create_checkpoint_manager(config) -> ocp.CheckpointManager | None:
     cleanup_tmp_directories=True,  # a save killed mid-write leaves a tmp dir, never a step dir
   )
   handlers = {STATE_ITEM: ocp.StandardCheckpointHandler(), DATA_ITEM: DataIteratorHandler()}
-  logger = OrbaxEventLog() if config.enable_checkpoint_standard_logger else None
+  logger = checkpoint_loggers.create(config)
   return ocp.CheckpointManager(config.checkpoint_dir, item_handlers=handlers, options=options, logger=logger)
-
-
-class OrbaxEventLog(ocp.logging.AbstractLogger):
-  """enable_checkpoint_standard_logger: Orbax's record of each save and restore (its step, kind and durations), one
-  line each. Orbax's own StandardLogger writes at absl's INFO level, which a run does not show."""
-
-  def log_entry(self, entry, *args, **kwargs):
-    del args, kwargs
-    fields = {k: v for k, v in entry.items() if v is not None} if isinstance(entry, dict) else {"event": entry}
-    max_logging.log(f"Orbax checkpoint event: {json.dumps(fields, default=str, sort_keys=True)}")
 
 
 def _flat_shapes(tree, prefix: str) -> dict[str, tuple]:
@@ -163,7 +153,7 @@ def _check_amax_history_length(saved_meta, wanted_meta, where: str, items_path: 
   )
 
 
-def _all_processes(ok: bool) -> bool:
+def on_every_process(ok: bool) -> bool:
   """True when `ok` holds on every process (so that all take the same branch)."""
   if jax.process_count() == 1:
     return ok
@@ -323,7 +313,7 @@ def _unreadable(where: str, reason: str) -> UserError:
   )
 
 
-def restore_latest(manager, abstract_state):
+def restore_latest(manager, abstract_state, tier: str = "", reader=None):
   """The newest readable checkpoint of this run: (state, data_iterator_state or None), or None if there is none.
 
   A checkpoint shown to be damaged (a truncated, undecodable or missing file) is reported, moved aside,
@@ -350,12 +340,11 @@ def restore_latest(manager, abstract_state):
     check_checkpoint_fits(saved_params, abstract_state.params, where)
     check_quantization_state(tree, abstract_state, where, f"{where}/{STATE_ITEM}")
     try:
-      args = {STATE_ITEM: ocp.args.StandardRestore(abstract_state), DATA_ITEM: DataIteratorRestore()}
-      restored = manager.restore(step, args=ocp.args.Composite(**args))
+      restored = _restore(manager, step, abstract_state, reader)
     except Exception as e:  # pylint: disable=broad-except
       error = e
-    if _all_processes(error is None):
-      max_logging.log(f"Restored the checkpoint of step {step} from {where}")
+    if on_every_process(error is None):
+      max_logging.log(f"Restored the checkpoint of step {step} from {tier}{where}")
       return restored[STATE_ITEM], restored[DATA_ITEM]
     verdict, reason = _why_restore_failed(where, tree, error)
     if verdict == _OK:
@@ -369,6 +358,19 @@ def restore_latest(manager, abstract_state):
     quarantined = epath.Path(manager.directory).parent / QUARANTINE_DIR
     raise UserError(f"no checkpoint of this run could be read; they were moved to {quarantined} (see the warnings above)")
   return None
+
+
+def _restore(manager, step: int, abstract_state, reader=None):
+  """The items of step `step`: with the manager's handlers, or through reader (single_replica_restore.reader)."""
+  if reader is not None:
+    state_args = ocp.args.PyTreeRestore(
+      item=abstract_state, restore_args=single_replica_restore.restore_args(abstract_state)
+    )
+    restored = reader.restore(step, args=ocp.args.Composite(**{STATE_ITEM: state_args, DATA_ITEM: DataIteratorRestore()}))
+  else:
+    args = {STATE_ITEM: ocp.args.StandardRestore(abstract_state), DATA_ITEM: DataIteratorRestore()}
+    restored = manager.restore(step, args=ocp.args.Composite(**args))
+  return restored
 
 
 class _WithoutStepMetadataWarning(logging.Filter):
@@ -430,7 +432,9 @@ def initial_state(config, manager, abstract_state, init_fn):
   load_full_state_path; init_fn() (a fresh state).
   """
   if manager is not None:
-    restored = restore_latest(manager, abstract_state)
+    tier = "the persistent tier " if config.enable_emergency_checkpoint else ""
+    reader = single_replica_restore.reader(config, abstract_state, STATE_ITEM, {DATA_ITEM: DataIteratorHandler()})
+    restored = restore_latest(manager, abstract_state, tier, reader)
     if restored is not None:
       return restored
   if config.load_parameters_path:
@@ -493,6 +497,12 @@ def wait_for_saves(manager) -> None:
   )
 
 
+def data_position(data_iterator, dataset_type: str | None = None) -> dict:
+  """The data iterator's state to save, with the dataset_type (so that a resume with another one is refused)."""
+  data_state = data_iterator.get_state()
+  return data_state if dataset_type is None else {**data_state, "dataset_type": dataset_type}
+
+
 def save_checkpoint(manager, step: int, state, data_iterator, dataset_type: str | None = None) -> float:
   """Starts saving the state after `step` (asynchronously if configured); returns the seconds the caller was blocked.
 
@@ -502,9 +512,7 @@ def save_checkpoint(manager, step: int, state, data_iterator, dataset_type: str 
   """
   start = time.time()
   wait_for_saves(manager)  # Orbax's save waits for the one in flight too; here its failure names its own step
-  data_state = data_iterator.get_state()
-  if dataset_type is not None:
-    data_state = {**data_state, "dataset_type": dataset_type}
+  data_state = data_position(data_iterator, dataset_type)
   args = {STATE_ITEM: ocp.args.StandardSave(state), DATA_ITEM: DataIteratorSave(data_state)}
   save = lambda: manager.save(step, args=ocp.args.Composite(**args), force=True)
   disk_full.raise_if_full(manager.directory, step, save, lambda: newest_complete_step(manager.directory))

@@ -144,6 +144,21 @@ def _check_paths(v):
     raise ConfigError("load_parameters_path and load_full_state_path are both set; give at most one")
 
 
+def _check_emergency_checkpoint(v):
+  if not v["enable_emergency_checkpoint"]:
+    return
+  if not v["local_checkpoint_directory"]:
+    raise ConfigError(
+      "enable_emergency_checkpoint=true needs local_checkpoint_directory: a directory on each host's own disk (a RAM "
+      "disk or local SSD), e.g. local_checkpoint_directory=/local/checkpoints"
+    )
+  if v["local_checkpoint_period"] <= 0:
+    raise ConfigError(
+      f"enable_emergency_checkpoint=true needs local_checkpoint_period > 0 (it is {v['local_checkpoint_period']}): the "
+      f"steps between local saves, fewer than checkpoint_period={v['checkpoint_period']}"
+    )
+
+
 def _check_data(v):
   kind = v["dataset_type"]
   if kind == "grain" and not v["grain_train_files"]:
@@ -216,6 +231,7 @@ def validate_static(values: dict) -> None:
   _check_layer_options(values)
   _check_mesh(values)
   _check_paths(values)
+  _check_emergency_checkpoint(values)
   _check_data(values)
   _check_decoding(values)
   _check_serving_checkpoint(values)

@@ -25,7 +25,9 @@ from MaxText.diagnostics import nonfinite, numerics_log, plots
 from MaxText.errors import UserError
 
 
-def run_steps(config, mesh, model, state, state_shardings, p_train_step, data_iterator, manager, goodput=None):
+def run_steps(
+  config, mesh, model, state, state_shardings, p_train_step, data_iterator, manager, goodput=None, local_tier=None
+):
   """Trains from state.step to config.steps (or an early stop) and returns the last state.
 
   Args:
@@ -36,8 +38,10 @@ def run_steps(config, mesh, model, state, state_shardings, p_train_step, data_it
     data_iterator: the train batches; checkpoints save its state.
     manager: the Orbax checkpoint manager, or None when checkpointing is off.
     goodput: the run's goodput.Recorder (steps, saves, evals), or None.
+    local_tier: emergency_checkpoint.LocalTier (enable_emergency_checkpoint), or None.
   """
   loop = StepLoop(config, mesh, model, state, state_shardings, p_train_step, data_iterator, manager, goodput)
+  loop.local_tier = local_tier
   return loop.run(state)
 
 
@@ -65,6 +69,7 @@ class StepLoop:
     self.in_step = False  # while True, the state is donated to the compiled step and must not be saved
     self.out_of_data = False  # a step had no real token on any process
     self.last_saved = None  # the step of this loop's last checkpoint
+    self.local_tier = None  # emergency_checkpoint.LocalTier: saves every local_checkpoint_period steps between
 
   def run(self, state):
     stop = None
@@ -77,6 +82,8 @@ class StepLoop:
             stop = self._evaluate(step, state)
           if self._save_due(step, stop):
             stop = self._save(step, state, stop)
+          elif self.local_tier is not None and self.local_tier.due(step) and not stop:
+            self._save_local(step, state)
           if stop:
             break
         self._flush()  # the last step's checks
@@ -185,7 +192,20 @@ class StepLoop:
       max_logging.log(f"Saving the checkpoint of step {last_step} (the loop waited {blocked:.3f} s)")
     return stop
 
+  def _save_local(self, step: int, state) -> None:
+    """Saves the state after `step` to the local tier (emergency checkpoints)."""
+    self._flush()  # the step's metrics line is written before its checkpoint can commit
+    started = time.perf_counter()
+    with self.diagnostics.activity("checkpoint save"):
+      self.local_tier.save(step, state, self.data_iterator, self.config.dataset_type)
+    blocked = time.perf_counter() - started
+    self.goodput.phase("checkpoint_save", blocked)
+    self.logger.reset_step_timer()
+    max_logging.log(f"Saving the checkpoint of step {step} to the local tier (the loop waited {blocked:.3f} s)")
+
   def _finish(self, state, stop: str | None) -> None:
+    if self.local_tier is not None:
+      self.local_tier.wait_until_finished()
     if self.manager is not None:
       checkpointing.wait_for_saves(self.manager)
     plots.write_run_plot(self.config, self.logger.history)

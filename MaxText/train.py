@@ -56,7 +56,16 @@ def _prepare_run_dir(config) -> None:
 def train_loop(config):
   """Trains until config.steps (or an early stop: step_loop) and returns the final train state."""
   # pylint: disable=import-outside-toplevel
-  from MaxText import aot_compile, checkpointing, goodput, max_logging, peer_monitor, step_loop, train_state
+  from MaxText import (
+    aot_compile,
+    checkpointing,
+    emergency_checkpoint,
+    goodput,
+    max_logging,
+    peer_monitor,
+    step_loop,
+    train_state,
+  )
   from MaxText.evaluation import check_eval_data
   from MaxText.input_pipeline.input_pipeline_interface import create_data_iterator
   from MaxText.mesh import create_device_mesh
@@ -69,7 +78,7 @@ def train_loop(config):
   check_eval_data(config, mesh)  # a wrong eval split, glob or file stops the run now, not at step eval_interval
   setup = train_state.build(config, mesh)
   data_iterator = create_data_iterator(config, mesh)  # data and tokenizer mistakes stop the run before the compile
-  manager = None
+  manager = local_tier = None
   try:
     started = time.perf_counter()
     if config.compiled_trainstep_file:  # compiled ahead of time by train_compile.py
@@ -78,10 +87,12 @@ def train_loop(config):
       p_train_step = aot_compile.compile_train_step(setup.model, config, mesh, setup.abstract_state)
     events.phase("compile", time.perf_counter() - started)
     manager = checkpointing.create_checkpoint_manager(config)
+    local_tier = emergency_checkpoint.create(config)
     started = time.perf_counter()
-    state, data_state = checkpointing.initial_state(
+    state, data_state = emergency_checkpoint.initial_state(
       config,
       manager,
+      local_tier,
       setup.abstract_state,
       lambda: train_state.init_train_state(setup.model, setup.tx, config, mesh, setup.state_shardings),
     )
@@ -98,11 +109,12 @@ def train_loop(config):
       return state
     _log_run_start(config, state)
     loop_args = (setup.model, state, setup.state_shardings, p_train_step, data_iterator, manager, events)
-    return step_loop.run_steps(config, mesh, *loop_args)
+    return step_loop.run_steps(config, mesh, *loop_args, local_tier=local_tier)
   finally:
     data_iterator.close()
-    if manager is not None:
-      manager.close()  # waits for a save in flight, also when the loop failed
+    for checkpoints in (manager, local_tier):
+      if checkpoints is not None:
+        checkpoints.close()  # waits for a save in flight, also when the loop failed
     events.event("job_end")
     events.close()
     if config.enable_goodput_recording:

@@ -4,22 +4,18 @@ Each is accepted at upstream's default, so that upstream's configs and scripts l
 a user who sets another value reads: why it does not apply here, and what to use instead.
 """
 
-from MaxText.config_keys import POSITIVE, Key, On, Range
+from MaxText.config_keys import NON_NEGATIVE, POSITIVE, Key, On, Range
 
 _CACHE_LAYOUT = (
   "the attention and KV cache layouts are fixed here (batch, sequence, heads, head_dim); their sharding follows "
   "logical_axis_rules"
 )
 _PIPELINE = "pipeline parallelism is not implemented yet (ici_pipeline_parallelism and dcn_pipeline_parallelism are 1)"
-_OPERATIONS = "is not implemented yet (emergency checkpoints, goodput, the on-demand profiler and checkpoint loggers)"
 _JETSTREAM = "is for JetStream serving (MaxEngine), which this project does not ship; decode.py generates from a checkpoint"
 
 
 _GOODPUT = On("enable_goodput_recording", True)
-
-
-def _operations(feature: str) -> Key:
-  return Key(f"Upstream's {feature}; not implemented here.", refused=f"{feature} {_OPERATIONS}")
+_EMERGENCY = On("enable_emergency_checkpoint", True)
 
 
 SECTIONS = {
@@ -73,11 +69,20 @@ SECTIONS = {
       range=Range(0, also=(-1,), says="-1 (num_slices), 0 (wgrad in high precision) or a positive number of parts"),
       acts_with=On("quantization", "int8"),
     ),
-    "enable_single_replica_ckpt_restoring": _operations("enable_single_replica_ckpt_restoring"),
-    "enable_emergency_checkpoint": _operations("enable_emergency_checkpoint"),
-    "local_checkpoint_directory": _operations("local_checkpoint_directory"),
-    "local_checkpoint_period": _operations("local_checkpoint_period"),
-    "enable_checkpoint_cloud_logger": _operations("enable_checkpoint_cloud_logger"),
+    "enable_single_replica_ckpt_restoring": Key(
+      "Restore a checkpoint with one data-parallel replica reading it and broadcasting to the others."
+    ),
+    "enable_emergency_checkpoint": Key(
+      "Also save every local_checkpoint_period steps to each host's local_checkpoint_directory (a local tier)."
+    ),
+    "local_checkpoint_directory": Key(
+      "A directory on each host's own disk (RAM disk or local SSD) for the local tier.",
+      acts_with=_EMERGENCY,
+    ),
+    "local_checkpoint_period": Key("Steps between saves to the local tier.", range=NON_NEGATIVE, acts_with=_EMERGENCY),
+    "enable_checkpoint_cloud_logger": Key(
+      "Send Orbax's checkpoint events to Google Cloud Logging (where credentials exist)."
+    ),
     "enable_checkpoint_standard_logger": Key(
       "Log Orbax's checkpoint events (saves, restores, durations) with Python logging."
     ),

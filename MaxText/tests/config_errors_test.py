@@ -37,6 +37,12 @@ CASES = [
   ),
   (["ici_tensor_parallelism=0"], {}, "ici_tensor_parallelism=0 must be a positive integer, or -1"),
   (["dataset_type=c5"], {}, "dataset_type=c5 is not valid; choose one of: embedded, synthetic"),
+  (["enable_emergency_checkpoint=true"], {}, "enable_emergency_checkpoint=true needs local_checkpoint_directory"),
+  (
+    ["enable_emergency_checkpoint=true", "local_checkpoint_directory=/tmp/local"],
+    {},
+    "enable_emergency_checkpoint=true needs local_checkpoint_period > 0 (it is 0)",
+  ),
   (["hardware=quantum"], {}, "hardware=quantum is not valid"),
   (["data_sharding=[[data,nonaxis]]"], {}, "data_sharding names 'nonaxis', which is not in mesh_axes"),
   (["logical_axis_rules=[[embed,bogus]]"], {}, "logical_axis_rules maps 'embed' to 'bogus'"),

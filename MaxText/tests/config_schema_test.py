@@ -68,6 +68,7 @@ def test_the_switches_are_those_the_companion_warnings_named():
     "enable_jax_profiler=true": ["jax_profiler_port"],
     "enable_wandb=true": ["wandb_project", "wandb_run_name"],
     "enable_goodput_recording=true": ["monitor_goodput", "goodput_upload_interval_seconds"],
+    "enable_emergency_checkpoint=true": ["local_checkpoint_directory", "local_checkpoint_period"],
   }
 
 

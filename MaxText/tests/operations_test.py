@@ -41,8 +41,10 @@ def test_a_profiler_server_that_cannot_start_is_a_warning_not_a_failure(capsys):
 
 def test_the_checkpoint_standard_logger_logs_each_save_and_restore(tmp_path):
   flags = ("checkpoint_period=2", "enable_checkpoint_standard_logger=true")
-  saved, _ = run_train(tmp_path, "log", "steps=3", *flags)
+  # No Google Cloud credentials here: the cloud logger says so in one line, and the standard one goes on alone.
+  saved, _ = run_train(tmp_path, "log", "steps=3", *flags, "enable_checkpoint_cloud_logger=true")
   assert saved.returncode == 0, saved.stderr[-2000:]
+  assert "enable_checkpoint_cloud_logger: no Google Cloud credentials here" in saved.stderr
   events = [line for line in saved.stdout.splitlines() if line.startswith("Orbax checkpoint event: {")]
   assert len(events) == 2 and all('"event_type": "save"' in e and '"step": ' in e for e in events)  # steps 0, 2
   restored, _ = run_train(tmp_path, "log", "steps=4", *flags)
@@ -50,6 +52,17 @@ def test_the_checkpoint_standard_logger_logs_each_save_and_restore(tmp_path):
   assert any('"event_type": "restore"' in line for line in restored.stdout.splitlines())
   quiet, _ = run_train(tmp_path, "quiet", "steps=1")
   assert "Orbax checkpoint event" not in quiet.stdout
+
+
+def test_the_cloud_logger_without_its_package_is_one_line(monkeypatch, capsys):
+  import sys  # pylint: disable=import-outside-toplevel
+
+  from MaxText import checkpoint_loggers  # pylint: disable=import-outside-toplevel
+
+  for module in ("google.cloud.logging", "orbax.checkpoint._src.logging.cloud_logger"):
+    monkeypatch.setitem(sys.modules, module, None)  # as if google-cloud-logging were not installed
+  assert checkpoint_loggers.cloud_logger("run") is None
+  assert "the google-cloud-logging package is not installed (pip install google-cloud-logging)" in capsys.readouterr().err
 
 
 def _wandb_history(run_file) -> list[dict]:
