@@ -9,8 +9,8 @@ productive step time (steps that no later attempt re-ran, less their data waits)
 checkpoint restore, checkpoint saves, evals, data input, steps lost to a restart (steps that a later attempt re-ran
 from its checkpoint), the time between a killed attempt's last event and the next start, and the rest of each
 attempt (initialisation, logging), so that the figures add up to the wall time. monitor_goodput logs the goodput so
-far every goodput_upload_interval_seconds. ml-goodput-measurement records to Google Cloud Logging; this file needs a
-local (or mounted) run directory, since it is appended to.
+far every goodput_upload_interval_seconds. Where ml-goodput-measurement can reach Google Cloud Logging, the events go
+there too (goodput_cloud.py). This file needs a local (or mounted) run directory, since it is appended to.
 """
 
 import json
@@ -44,7 +44,7 @@ class Recorder:
     monitor_every: monitor_goodput: log the goodput so far at the first step, then every this many seconds; None: not.
   """
 
-  def __init__(self, run_dir: str, monitor_every: float | None = None):
+  def __init__(self, run_dir: str, monitor_every: float | None = None, cloud=None):
     from MaxText.errors import UserError  # pylint: disable=import-outside-toplevel
 
     if "://" in run_dir:
@@ -56,12 +56,18 @@ class Recorder:
     os.makedirs(os.path.dirname(self.path), exist_ok=True)
     self._file = open(self.path, "a", encoding="utf-8", buffering=1)  # pylint: disable=consider-using-with  # a line each
     self._monitor_every, self._last_report = monitor_every, None
+    self._cloud = cloud  # goodput_cloud.CloudMirror, or None
 
   def event(self, kind: str, **fields) -> None:
-    self._file.write(json.dumps({"event": kind, "time": time.time(), **fields}) + "\n")
+    now = time.time()
+    self._file.write(json.dumps({"event": kind, "time": now, **fields}) + "\n")
+    if self._cloud is not None:
+      self._cloud.event(kind, now, fields)
 
   def close(self) -> None:
     self._file.close()
+    if self._cloud is not None:
+      self._cloud.close()
 
   def phase(self, name: str, seconds: float) -> None:
     self.event("phase", name=name, seconds=seconds)
@@ -102,7 +108,10 @@ def recorder(config):
 
   if not config.enable_goodput_recording or jax.process_index() != 0:
     return OFF
-  return Recorder(config.run_dir, config.goodput_upload_interval_seconds if config.monitor_goodput else None)
+  from MaxText import goodput_cloud  # pylint: disable=import-outside-toplevel
+
+  monitor_every = config.goodput_upload_interval_seconds if config.monitor_goodput else None
+  return Recorder(config.run_dir, monitor_every, cloud=goodput_cloud.mirror(config.run_name))
 
 
 def read(path) -> list[dict]:

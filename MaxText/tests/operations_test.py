@@ -120,6 +120,39 @@ def test_enable_wandb_without_wandb_is_one_line(tmp_path):
   assert "enable_wandb=true needs the wandb package: pip install wandb" in result.stderr
 
 
+def test_goodput_events_map_to_ml_goodput_measurements_records():
+  """What goodput_cloud sends: ml-goodput-measurement's own GoodputRecorder, over a stand-in for its Cloud Logging
+  writer (no Cloud Logging here), gets each local event as the entries its calculator reads."""
+  from ml_goodput_measurement import goodput as library  # pylint: disable=import-outside-toplevel
+
+  from MaxText import goodput_cloud  # pylint: disable=import-outside-toplevel
+
+  class Entries:
+    def __init__(self):
+      self.written = []
+
+    def write_cloud_logging_entry(self, entry):
+      self.written.append(entry)
+
+    def flush(self):
+      pass
+
+  entries = Entries()
+  mirror = goodput_cloud.CloudMirror(library.GoodputRecorder("job", "goodput", logging_enabled=True, cloud_logger=entries))
+  mirror.event("job_start", 100.0, {})
+  mirror.event("phase", 110.0, {"name": "compile", "seconds": 8.0})
+  mirror.event("step", 112.0, {"step": 0, "seconds": 2.0, "data_seconds": 0.5})
+  mirror.event("phase", 113.0, {"name": "checkpoint_save", "seconds": 1.0})
+  mirror.event("job_end", 120.0, {})
+  mirror.close()
+  flat = {(k, v) for entry in entries.written for k, v in entry.items() if k != "job_name"}
+  assert ("job_start_time", 100.0) in flat and ("job_end_time", 120.0) in flat
+  assert ("step_count", 0) in flat and ("step_start_time", 110.0) in flat
+  assert ("training_prep_start_time", 102.0) in flat and ("training_prep_end_time", 110.0) in flat
+  assert ("data_loading_start_time", 110.0) in flat and ("data_loading_end_time", 110.5) in flat
+  assert ("custom_badput_event_type", "checkpoint_save") in flat
+
+
 def test_goodput_of_a_run_killed_once_and_resumed(tmp_path):
   """Killed while saving step 6 (checkpoints 0 and 3 are complete), then resumed from 3: steps 4-6 ran twice."""
   from MaxText import goodput  # pylint: disable=import-outside-toplevel
@@ -130,6 +163,7 @@ def test_goodput_of_a_run_killed_once_and_resumed(tmp_path):
   resumed, _ = run_train(tmp_path, "gp", *flags)
   assert resumed.returncode == 0, resumed.stderr[-2000:]
   assert "Restored the checkpoint of step 3" in resumed.stdout
+  assert "enable_goodput_recording: events go to the local file only (no Google Cloud credentials" in resumed.stdout
   events = goodput.read(tmp_path / "gp" / goodput.EVENTS)
   report = goodput.report(events)
   assert report.attempts == 2 and report.lost_steps == 3  # steps 4, 5 and 6 of the killed attempt
