@@ -15,6 +15,7 @@ from MaxText import (
   metric_logger,
   metrics_file,
   peer_monitor,
+  preemption,
   sharding,
   train_step,
   wandb_log,
@@ -63,7 +64,7 @@ class StepLoop:
     observers += metrics_file.dir_writers(config)
     observers += wandb_log.writers(config)
     self.logger = metric_logger.MetricLogger(config, self.start_step, writer, observers)
-    self.watcher = checkpointing.PreemptionWatcher(saves=manager is not None)
+    self.watcher = preemption.PreemptionWatcher(saves=manager is not None)
     self.diagnostics = diagnostics_loop.LoopDiagnostics(config, self.start_step)
     self.batch = None
     self.in_step = False  # while True, the state is donated to the compiled step and must not be saved

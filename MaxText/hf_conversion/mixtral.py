@@ -8,14 +8,23 @@ from MaxText.hf_conversion.tables import Family, Param
 
 _MOE = "model.layers.{i}.block_sparse_moe"
 
+
+def expert_params(moe: str, gate: str, up: str, down: str) -> tuple:
+  """MaxText's MoeBlock_0 from HF's router `<moe>.gate` and per-expert `<moe>.experts.{e}.<gate|up|down>.weight`."""
+  experts = moe + ".experts.{e}."
+  return (
+    Param("MoeBlock_0/gate/kernel", f"{moe}.gate.weight", "transpose"),
+    Param("MoeBlock_0/wi_0", f"{experts}{gate}.weight", "transpose", experts=True),
+    Param("MoeBlock_0/wi_1", f"{experts}{up}.weight", "transpose", experts=True),
+    Param("MoeBlock_0/wo", f"{experts}{down}.weight", "transpose", experts=True),
+  )
+
+
 LAYER_PARAMS = (
   Param("pre_self_attention_layer_norm/scale", "model.layers.{i}.input_layernorm.weight"),
   *llama.ATTENTION_PARAMS,
   Param("post_self_attention_layer_norm/scale", "model.layers.{i}.post_attention_layernorm.weight"),
-  Param("MoeBlock_0/gate/kernel", f"{_MOE}.gate.weight", "transpose"),
-  Param("MoeBlock_0/wi_0", _MOE + ".experts.{e}.w1.weight", "transpose", experts=True),
-  Param("MoeBlock_0/wi_1", _MOE + ".experts.{e}.w3.weight", "transpose", experts=True),
-  Param("MoeBlock_0/wo", _MOE + ".experts.{e}.w2.weight", "transpose", experts=True),
+  *expert_params(_MOE, "w1", "w3", "w2"),
 )
 
 

@@ -3,7 +3,7 @@ Qwen3-MoE (Qwen3MoeForCausalLM) <-> decoder_block=qwen3_moe: the same attention,
 stacked on MaxText's expert axis 0 (as Mixtral's), the router's `mlp.gate`."""
 
 from MaxText.errors import UserError
-from MaxText.hf_conversion import hf_config, llama
+from MaxText.hf_conversion import hf_config, llama, mixtral
 from MaxText.hf_conversion.tables import Family, Param
 
 QK_NORM_PARAMS = (
@@ -24,16 +24,12 @@ def config_to_hf(cfg) -> dict:
   return dict(hf_config.decoder_config(cfg, "qwen3", "Qwen3ForCausalLM"), use_sliding_window=False)
 
 
-_MOE = "model.layers.{i}.mlp"
 MOE_LAYER_PARAMS = (
   Param("pre_self_attention_layer_norm/scale", "model.layers.{i}.input_layernorm.weight"),
   *llama.ATTENTION_PARAMS,
   *QK_NORM_PARAMS,
   Param("post_self_attention_layer_norm/scale", "model.layers.{i}.post_attention_layernorm.weight"),
-  Param("MoeBlock_0/gate/kernel", f"{_MOE}.gate.weight", "transpose"),
-  Param("MoeBlock_0/wi_0", _MOE + ".experts.{e}.gate_proj.weight", "transpose", experts=True),
-  Param("MoeBlock_0/wi_1", _MOE + ".experts.{e}.up_proj.weight", "transpose", experts=True),
-  Param("MoeBlock_0/wo", _MOE + ".experts.{e}.down_proj.weight", "transpose", experts=True),
+  *mixtral.expert_params("model.layers.{i}.mlp", "gate_proj", "up_proj", "down_proj"),
 )
 
 

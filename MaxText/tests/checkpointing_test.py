@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from MaxText import checkpointing
+from MaxText import checkpointing, preemption
 from MaxText.errors import UserError
 from MaxText.tests.helpers import REPO_ROOT, TRAIN_PY, read_metrics, run_train, tiny_args, tiny_config
 
@@ -66,7 +66,7 @@ def test_a_finished_run_says_so_and_exits_zero(tmp_path):
 
 
 def test_a_first_ctrl_c_says_what_happens_and_a_second_interrupts(capsys):
-  watcher = checkpointing.PreemptionWatcher()
+  watcher = preemption.PreemptionWatcher()
   try:
     watcher._on_signal(signal.SIGINT, None)  # pylint: disable=protected-access
     assert watcher.should_stop(0)
