@@ -96,7 +96,21 @@ def test_same_losses_params_and_shardings_as_before_the_refactor(gate, reference
   assert len(gate[name]["loss"]) == STEPS
   # float32 on the same CPU: only fusion order may move the last bits; never loosened to pass.
   np.testing.assert_allclose(gate[name]["loss"], reference[name]["loss"], rtol=1e-6, err_msg=name)
-  assert gate[name]["params"] == reference[name]["params"]
+  assert _without_new_axes(gate[name]["params"]) == reference[name]["params"]
+
+
+# Mesh axes added to base.yml's rules after the recording; of size 1 in every run here, so a spec naming them
+# shards the same as one that does not.
+NEW_AXES = ("context",)
+
+
+def _without_new_axes(params: dict) -> dict:
+  def strip(spec: str) -> str:
+    for axis in NEW_AXES:
+      spec = spec.replace(f"'{axis}', ", "").replace(f", '{axis}'", "")
+    return spec
+
+  return {path: [shape, strip(spec)] for path, (shape, spec) in params.items()}
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--record"]:
