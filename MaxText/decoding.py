@@ -32,7 +32,7 @@ def end_token_ids(tokenizer) -> tuple[int, ...]:
 
 def build(config, mesh):
   """The model and its abstract, sharded params (whose memory is checked against a device's)."""
-  if context_parallel.mesh_size(config, "context") > 1:
+  if context_parallel.mesh_size(config, context_parallel.AXIS) > 1:
     raise UserError(
       "decoding does not run with context parallelism (it trains long sequences): set ici_context_parallelism=1 and "
       "dcn_context_parallelism=1 for decode.py; the checkpoint loads on any mesh"

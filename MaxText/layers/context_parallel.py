@@ -19,6 +19,8 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+AXIS = "context"  # the mesh axis that splits the queries inside attention
+
 
 @dataclasses.dataclass(frozen=True)
 class ContextParallel:
@@ -60,7 +62,7 @@ def mesh_size(config, axis: str) -> int:
 
 
 def from_config(config) -> ContextParallel:
-  context = mesh_size(config, "context")
+  context = mesh_size(config, AXIS)
   return ContextParallel(
     context=context,
     strategy=config.context_parallel_strategy,

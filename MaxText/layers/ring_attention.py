@@ -22,8 +22,6 @@ from jax.sharding import PartitionSpec as P
 from MaxText.layers import context_parallel, mesh_specs
 from MaxText.layers.attention_masks import _MASK_VALUE, soft_cap
 
-CONTEXT_AXIS = "context"
-
 
 def sharded_ring_attention(
   query,
@@ -48,7 +46,7 @@ def sharded_ring_attention(
   rows_spec = P(q_spec[0], q_spec[1])
   token_index = jnp.broadcast_to(layout.token_order(query.shape[1]), segment_ids.shape)
   local = functools.partial(
-    ring_attention, axis_name=CONTEXT_AXIS, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap
+    ring_attention, axis_name=context_parallel.AXIS, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap
   )
   # check_vma off: a kv head replicated over an axis that splits the query heads (see ring_attention's Args).
   return jax.shard_map(
