@@ -3,6 +3,8 @@
 Routing is transformers' Mixtral: softmax of the router logits in float32, the top num_experts_per_tok
 experts per token, their weights renormalised to sum to 1; each expert is a gated MLP
 wo(act_0(x wi_0) * act_1(x wi_1)); a token's output is the weighted sum of its experts' outputs.
+DeepSeek-V3's routing (`route_sigmoid_grouped`), its sequence-wise balance loss and its bias update for
+auxiliary-loss-free balancing are here too; deepseek_moe.py assembles its block from these parts.
 
 Two dispatch strategies, chosen by `capacity_factor`:
 - dropless (capacity_factor <= 0, the default): every token reaches its k experts. The (token, expert) pairs
@@ -34,6 +36,9 @@ from MaxText.layers.linears import ACTIVATIONS, DenseGeneral
 # Names of the per-layer routing statistics sown into the "intermediates" collection.
 TOKENS_PER_EXPERT = "moe_tokens_per_expert"
 ROUTER_PROB_PER_EXPERT = "moe_router_prob_per_expert"
+# Per sequence (batch row), for DeepSeek-V3's sequence-wise balance loss: (B, E) each.
+SEQ_TOKENS_PER_EXPERT = "moe_seq_tokens_per_expert"
+SEQ_PROB_PER_EXPERT = "moe_seq_prob_per_expert"
 
 
 def route(router_logits, num_experts_per_tok: int):
@@ -48,6 +53,79 @@ def route(router_logits, num_experts_per_tok: int):
   probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
   weights, experts = jax.lax.top_k(probs, num_experts_per_tok)
   return probs, weights / jnp.sum(weights, axis=-1, keepdims=True), experts
+
+
+def route_sigmoid_grouped(
+  router_logits,
+  bias,
+  num_experts_per_tok: int,
+  num_groups: int,
+  topk_groups: int,
+  routed_scaling_factor: float,
+  norm_topk_prob: bool,
+):
+  """DeepSeek-V3's routing (transformers' DeepseekV3TopkRouter): group-limited top-k of biased sigmoid scores.
+
+  Selection uses scores + bias: the experts form num_groups contiguous groups, each scored by the sum of its
+  two best biased scores; only the topk_groups best groups compete for the k experts. The weights use the
+  unbiased scores of the chosen experts (renormalised to sum 1 when norm_topk_prob) x routed_scaling_factor:
+  the bias steers which experts win, never how much they weigh.
+
+  Args:
+    router_logits: (..., E).
+    bias: (E,) the selection-only correction bias (transformers' e_score_correction_bias); no gradient.
+    num_experts_per_tok: k.
+    num_groups: n_group, dividing E (1: no group limit).
+    topk_groups: topk_group, the groups kept per token.
+    routed_scaling_factor: multiplies the weights.
+    norm_topk_prob: renormalise the k weights to sum 1 before scaling.
+  Returns:
+    probs (..., E) float32: the sigmoid scores normalised to sum 1 over experts (the s'_i of the balance losses);
+    weights (..., k) float32; experts (..., k) int32 (in order of biased score).
+  """
+  num_experts = router_logits.shape[-1]
+  group_size = num_experts // max(num_groups, 1)
+  if num_groups < 1 or num_experts % num_groups:
+    raise ValueError(f"n_routing_groups={num_groups} must divide num_experts={num_experts}")
+  if not 1 <= topk_groups <= num_groups:
+    raise ValueError(f"topk_routing_group={topk_groups} must be in [1, n_routing_groups={num_groups}]")
+  if num_experts_per_tok > topk_groups * group_size:
+    raise ValueError(
+      f"num_experts_per_tok={num_experts_per_tok} exceeds the {topk_groups * group_size} experts of the kept groups"
+    )
+  scores = jax.nn.sigmoid(router_logits.astype(jnp.float32))
+  biased = scores + jax.lax.stop_gradient(bias.astype(jnp.float32))
+  grouped = biased.reshape(*biased.shape[:-1], num_groups, group_size)  # (..., G, E/G)
+  group_scores = jnp.sum(jax.lax.top_k(grouped, min(2, group_size))[0], axis=-1)  # (..., G)
+  _, top_groups = jax.lax.top_k(group_scores, topk_groups)  # (..., topk_groups)
+  group_kept = jnp.any(top_groups[..., None] == jnp.arange(num_groups), axis=-2)  # (..., G)
+  selectable = jnp.where(jnp.repeat(group_kept, group_size, axis=-1), biased, -jnp.inf)  # (..., E)
+  _, experts = jax.lax.top_k(selectable, num_experts_per_tok)
+  weights = jnp.take_along_axis(scores, experts, axis=-1)
+  if norm_topk_prob:
+    weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)  # transformers' epsilon
+  return scores / jnp.sum(scores, axis=-1, keepdims=True), weights * routed_scaling_factor, experts
+
+
+def update_routing_bias(bias, tokens_per_expert, rate: float):
+  """DeepSeek-V3's auxiliary-loss-free balancing, applied after the optimizer update of a step.
+
+  bias_e += rate * sign(mean_e' load_e' - load_e): an overloaded expert's bias falls by rate, an underloaded
+  one's rises by rate, one at the mean load keeps its bias.
+
+  Args:
+    bias: (..., E) the routers' gate/bias (one layer's, or layers stacked on leading axes: scanned layers
+      stack it as (E, L) under param_scan_axis=1, so pass its transpose).
+    tokens_per_expert: (..., E) the step's sown `moe_tokens_per_expert` (TOKENS_PER_EXPERT): each expert's
+      routed choices per real token (sums to k over experts). Only its sign against the mean matters, so raw
+      token counts (any positive multiple) give the same update.
+    rate: the bias update speed gamma (DeepSeek-V3: 0.001, then 0 for the last 500B tokens).
+  Returns:
+    The new bias, in bias's dtype.
+  """
+  load = tokens_per_expert.astype(jnp.float32)
+  step = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+  return (bias.astype(jnp.float32) + step).astype(bias.dtype)
 
 
 def expert_capacity(length: int, num_experts_per_tok: int, num_experts: int, capacity_factor: float) -> int:
@@ -145,6 +223,39 @@ def with_capacity(x, weights, experts, wi, wo, activations, capacity_factor: flo
   return jnp.einsum("btkd,btk->btd", per_choice, weights.astype(out.dtype))
 
 
+def routed_experts(
+  module, x, weights, experts, num_experts: int, intermediate_dim: int, activations, capacity_factor: float
+):
+  """The routed gated-MLP experts' output, declaring their kernels on `module` (called from its compact __call__).
+
+  Params: wi_0.. (E, embed, mlp) one per activation, wo (E, mlp, embed), in `module.weight_dtype`, computed in
+  `module.dtype`; dropless when capacity_factor <= 0, else with_capacity.
+
+  Args:
+    x: (B, T, D). weights, experts: (B, T, k) from a routing function.
+  Returns:
+    (B, T, D).
+  """
+  dim = x.shape[-1]
+  init = functools.partial(initializers.default_kernel_init, in_axis=1, out_axis=2)
+  wi_shape, wo_shape = (num_experts, dim, intermediate_dim), (num_experts, intermediate_dim, dim)
+  wi = [
+    module.param(
+      f"wi_{i}", nn.with_logical_partitioning(init, ("exp", "embed_no_exp", "mlp")), wi_shape, module.weight_dtype
+    ).astype(module.dtype)
+    for i in range(len(activations))
+  ]
+  wo = module.param(
+    "wo", nn.with_logical_partitioning(init, ("exp", "mlp", "embed_no_exp")), wo_shape, module.weight_dtype
+  ).astype(module.dtype)
+  x = x.astype(module.dtype)
+  if capacity_factor > 0:
+    y = with_capacity(x, weights, experts, wi, wo, activations, capacity_factor)
+  else:
+    y = dropless(x, weights, experts, wi, wo, activations)
+  return checkpoint_name(y, "mlpwo")
+
+
 def routing_statistics(probs, experts, segment_ids, num_experts: int):
   """Per-expert fraction of routed choices (sums to k) and mean router probability, over real tokens.
 
@@ -159,6 +270,31 @@ def routing_statistics(probs, experts, segment_ids, num_experts: int):
   return jnp.sum(chosen * mask, axis=(0, 1)) / count, jnp.sum(probs * mask, axis=(0, 1)) / count
 
 
+def sequence_statistics(probs, experts, segment_ids, num_experts: int):
+  """routing_statistics per sequence (batch row): the inputs of DeepSeek-V3's sequence-wise balance loss.
+
+  A packed row is one sequence, as in DeepSeek-V3's training (no masking across packed documents).
+
+  Args:
+    probs: (B, T, E) normalised scores. experts: (B, T, k). segment_ids: (B, T), 0 = padding (not counted).
+  Returns:
+    tokens_per_expert (B, E) (sums to k over experts; 0 in a row of padding only), prob_per_expert (B, E).
+  """
+  mask = (segment_ids != 0).astype(jnp.float32)[..., None]  # (B, T, 1)
+  count = jnp.maximum(jnp.sum(mask, axis=1), 1.0)  # (B, 1)
+  chosen = jnp.sum(jax.nn.one_hot(experts, num_experts, dtype=jnp.float32), axis=-2)  # (B, T, E)
+  return jnp.sum(chosen * mask, axis=1) / count, jnp.sum(probs * mask, axis=1) / count
+
+
+def _sown(intermediates, name: str, num_experts: int) -> list:
+  """Every layer's `name` statistics as (rows, E) arrays (scanned layers stack theirs on a leading axis)."""
+  found = []
+  for path, leaf in jax.tree_util.tree_flatten_with_path(intermediates)[0]:
+    if name in [getattr(p, "key", None) for p in path]:
+      found.append(leaf.reshape(-1, num_experts))
+  return found
+
+
 def load_balancing_loss(intermediates, num_experts: int):
   """transformers' load_balancing_loss_func from the statistics every MoE layer sowed; 0.0 without MoE layers.
 
@@ -166,17 +302,28 @@ def load_balancing_loss(intermediates, num_experts: int):
   concatenated: loss = num_experts * sum_e tokens_per_expert[e] * router_prob_per_expert[e]
   (num_experts_per_tok when perfectly balanced).
   """
-  found = {TOKENS_PER_EXPERT: [], ROUTER_PROB_PER_EXPERT: []}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(intermediates)[0]:
-    names = [getattr(p, "key", None) for p in path]
-    for name, values in found.items():
-      if name in names:
-        values.append(leaf.reshape(-1, num_experts))  # scanned layers stack theirs: (L, E)
-  if not found[TOKENS_PER_EXPERT]:
+  tokens, probs = (_sown(intermediates, name, num_experts) for name in (TOKENS_PER_EXPERT, ROUTER_PROB_PER_EXPERT))
+  if not tokens:
     return jnp.zeros((), jnp.float32)
-  tokens = jnp.mean(jnp.concatenate(found[TOKENS_PER_EXPERT]), axis=0)
-  probs = jnp.mean(jnp.concatenate(found[ROUTER_PROB_PER_EXPERT]), axis=0)
-  return num_experts * jnp.sum(tokens * probs)
+  return num_experts * jnp.sum(jnp.mean(jnp.concatenate(tokens), axis=0) * jnp.mean(jnp.concatenate(probs), axis=0))
+
+
+def sequence_balance_loss(intermediates, num_experts: int, num_experts_per_tok: int):
+  """DeepSeek-V3's sequence-wise balance loss (eq. 17-20) from the per-sequence statistics every layer sowed.
+
+  Per sequence of T real tokens: f_i = E / (k T) x (tokens choosing expert i), P_i = mean over the tokens of
+  s_i / sum_j s_j; the loss sum_i f_i P_i is averaged over sequences with real tokens and over layers. 1.0 at
+  perfect balance (f_i = 1, P_i = 1/E), E/k at the worst; 0.0 without such layers. The caller multiplies it
+  by the balance factor alpha (load_balance_loss_weight).
+  """
+  tokens = _sown(intermediates, SEQ_TOKENS_PER_EXPERT, num_experts)
+  if not tokens:
+    return jnp.zeros((), jnp.float32)
+  tokens = jnp.concatenate(tokens)  # (layers x sequences, E): fraction of the sequence's tokens choosing i
+  probs = jnp.concatenate(_sown(intermediates, SEQ_PROB_PER_EXPERT, num_experts))
+  per_sequence = num_experts / num_experts_per_tok * jnp.sum(tokens * probs, axis=-1)
+  real = (jnp.sum(tokens, axis=-1) > 0).astype(jnp.float32)  # rows of padding only are left out
+  return jnp.sum(per_sequence * real) / jnp.maximum(jnp.sum(real), 1.0)
 
 
 class MoeBlock(nn.Module):
@@ -193,7 +340,6 @@ class MoeBlock(nn.Module):
   @nn.compact
   def __call__(self, x, segment_ids):
     """x (B, T, D); segment_ids (B, T) (padding, 0, is left out of the routing statistics). Returns (B, T, D)."""
-    dim = x.shape[-1]
     # The router runs in float32: a bfloat16 logit can flip which experts win.
     router_logits = DenseGeneral(
       self.num_experts, ("embed", None), dtype="float32", weight_dtype=self.weight_dtype, name="gate"
@@ -202,21 +348,6 @@ class MoeBlock(nn.Module):
     tokens_per_expert, prob_per_expert = routing_statistics(probs, experts, segment_ids, self.num_experts)
     self.sow("intermediates", TOKENS_PER_EXPERT, tokens_per_expert)
     self.sow("intermediates", ROUTER_PROB_PER_EXPERT, prob_per_expert)
-
-    init = functools.partial(initializers.default_kernel_init, in_axis=1, out_axis=2)
-    wi_shape, wo_shape = (self.num_experts, dim, self.intermediate_dim), (self.num_experts, self.intermediate_dim, dim)
-    wi = [
-      self.param(
-        f"wi_{i}", nn.with_logical_partitioning(init, ("exp", "embed_no_exp", "mlp")), wi_shape, self.weight_dtype
-      ).astype(self.dtype)
-      for i in range(len(self.activations))
-    ]
-    wo = self.param(
-      "wo", nn.with_logical_partitioning(init, ("exp", "mlp", "embed_no_exp")), wo_shape, self.weight_dtype
-    ).astype(self.dtype)
-    x = x.astype(self.dtype)
-    if self.capacity_factor > 0:
-      y = with_capacity(x, weights, experts, wi, wo, self.activations, self.capacity_factor)
-    else:
-      y = dropless(x, weights, experts, wi, wo, self.activations)
-    return checkpoint_name(y, "mlpwo")
+    return routed_experts(
+      self, x, weights, experts, self.num_experts, self.intermediate_dim, self.activations, self.capacity_factor
+    )
