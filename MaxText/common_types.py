@@ -3,7 +3,7 @@
 Each implementing module has a test asserting that its table covers exactly these names.
 """
 
-DECODER_BLOCKS = ("default", "llama2", "mistral", "mixtral", "gemma", "gemma2", "gpt3", "qwen3", "qwen3_moe")
+DECODER_BLOCKS = ("default", "llama2", "mistral", "mixtral", "gemma", "gemma2", "gemma3", "gpt3", "qwen3", "qwen3_moe")
 # Decoder layers in one block of the stack, where not 1 (Gemma 2 stacks (local, global) pairs): the one place that
 # says it, read by the config checks (before JAX starts), the decoder stack and the quantization recipes.
 DECODER_LAYERS_PER_BLOCK = {"gemma2": 2}

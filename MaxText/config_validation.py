@@ -59,6 +59,11 @@ def _check_layer_options(v):
       f"trainable_position_size={positions} must be -1 (no learned positions) or at least "
       f"max_target_length={v['max_target_length']}"
     )
+  if v["rope_scaling_factor"] > 0 and v["rope_linear_scaling_factor"] != 1:
+    raise ConfigError(
+      f"rope_scaling_factor={v['rope_scaling_factor']} (Llama 3.1 scaling) and rope_linear_scaling_factor="
+      f"{v['rope_linear_scaling_factor']} are two RoPE scalings; set one (rope_linear_scaling_factor=1 is off)"
+    )
   if v["rope_scaling_factor"] > 0:
     low, high = v["rope_scaling_low_freq_factor"], v["rope_scaling_high_freq_factor"]
     if not 0 < low < high:

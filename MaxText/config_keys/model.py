@@ -104,15 +104,24 @@ SECTIONS = {
     "rope_scaling_original_max_position_embeddings": Key(
       "Llama 3.1 RoPE scaling: the context length of the original model.", range=POSITIVE
     ),
+    "rope_linear_scaling_factor": Key(
+      "Linear RoPE scaling (transformers' rope_type linear): frequencies / factor; 1: off (Gemma 3: its global layers).",
+      range=POSITIVE,
+    ),
+    "local_rope_max_timescale": Key(
+      "Gemma 3's local (sliding-window) layers: their RoPE base; -1: rope_max_timescale.",
+      range=Range(0, low_open=True, also=(-1,), says="-1 (rope_max_timescale) or a positive RoPE base"),
+      acts_with=On("decoder_block", "gemma3"),
+    ),
     "sliding_window_size": Key(
-      "> 0: a query sees only itself and the size - 1 keys before it (Mistral, Gemma 2 local layers).",
+      "> 0: a query sees only itself and the size - 1 keys before it (Mistral, Gemma 2 and 3 local layers).",
       range=Range(0, says=">= 0 (0: no window)"),
     ),
     "attn_logits_soft_cap": Key(
       "> 0: attention logits = cap * tanh(logits / cap) before masking (Gemma 2: 50); 0 disables.", range=NON_NEGATIVE
     ),
-    "use_post_attn_norm": Key("Gemma 2: normalize the attention output before the residual add."),
-    "use_post_ffw_norm": Key("Gemma 2: normalize the MLP output before the residual add."),
+    "use_post_attn_norm": Key("Gemma 2 and 3: normalize the attention output before the residual add."),
+    "use_post_ffw_norm": Key("Gemma 2 and 3: normalize the MLP output before the residual add."),
     "fused_qkv": Key("One query/key/value kernel qkv_proj [E, 3, heads, head_dim]; needs as many kv heads as query heads."),
     "fused_mlp": Key("The gated MLP's wi_0, wi_1, ... as one kernel wi [E, num_activations, mlp]."),
     "attention": Key(

@@ -4,7 +4,7 @@ Entry point: MaxText/convert_checkpoint.py.
 """
 
 from MaxText.errors import UserError
-from MaxText.hf_conversion import gemma, gemma2, llama, mistral, mixtral, qwen3
+from MaxText.hf_conversion import gemma, gemma2, gemma3, llama, mistral, mixtral, qwen3
 
 FAMILIES = (
   llama.FAMILY,
@@ -12,6 +12,7 @@ FAMILIES = (
   mixtral.FAMILY,
   gemma.FAMILY,
   gemma2.FAMILY,
+  gemma3.FAMILY,
   qwen3.FAMILY,
   qwen3.MOE_FAMILY,
 )

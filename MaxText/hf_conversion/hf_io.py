@@ -93,10 +93,21 @@ class HFCheckpoint:
     if not files:
       raise UserError(f"{path} holds no model weights (model*.safetensors or pytorch_model*.bin)")
     self._where = {}  # tensor name -> file
+    self._stored = {}  # a renamed tensor's name -> its name in the file (rename)
     self._handles = {}
     for name in files:
       for key in self._open(name).keys():
         self._where[key] = name
+
+  def rename(self, new_name) -> None:
+    """Shows each tensor as new_name(its name); one that new_name maps to None is hidden (e.g. the vision tower of a
+    multimodal checkpoint whose text model alone is converted)."""
+    where, self._where = self._where, {}
+    for name, file in where.items():
+      shown = new_name(name)
+      if shown is not None:
+        self._where[shown] = file
+        self._stored[shown] = self._stored.get(name, name)
 
   def _open(self, name: str):
     if name not in self._handles:
@@ -118,19 +129,19 @@ class HFCheckpoint:
     return name in self._where
 
   def shape(self, name: str) -> tuple:
-    handle = self._open(self._where[name])
+    handle, name = self._open(self._where[name]), self._stored.get(name, name)
     if self.format == "safetensors":
       return handle.shape(name)
     return tuple(handle[name].shape)
 
   def dtype(self, name: str) -> np.dtype:
-    handle = self._open(self._where[name])
+    handle, name = self._open(self._where[name]), self._stored.get(name, name)
     if self.format == "safetensors":
       return handle.dtype(name)
     return _np_dtype(str(handle[name].dtype).removeprefix("torch."))
 
   def get(self, name: str) -> np.ndarray:
-    handle = self._open(self._where[name])
+    handle, name = self._open(self._where[name]), self._stored.get(name, name)
     if self.format == "safetensors":
       return handle.get(name)
     import torch  # pylint: disable=import-outside-toplevel

@@ -91,6 +91,9 @@ class Family:
     layer_params: params of one decoder layer.
     config_to_maxtext: HF config.json dict -> MaxText config keys (raises UserError on an unsupported variant).
     config_to_hf: MaxText config (attribute access) -> HF config.json keys.
+    hf_tensor_name: None, or (config.json dict) -> a function from a checkpoint's tensor names to the names in
+      layer_params and global_params (None hides a tensor): a checkpoint that holds the model under other names
+      (Gemma 3's multimodal ones hold the text model under language_model).
   """
 
   name: str
@@ -101,6 +104,7 @@ class Family:
   layer_params: tuple
   config_to_maxtext: object
   config_to_hf: object
+  hf_tensor_name: object = None
 
   @property
   def layers_per_block(self) -> int:

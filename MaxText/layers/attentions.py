@@ -1,6 +1,7 @@
 """Grouped-query self-attention: projections, RoPE, and the attention kernels (causal + packed segments,
 optionally a sliding window and soft-capped logits)."""
 
+import dataclasses
 import functools
 
 import flax.linen as nn
@@ -10,7 +11,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.layers import context_parallel, initializers, kv_cache
 from MaxText.layers.attention_masks import _MASK_VALUE, attention_mask, cache_mask, soft_cap
-from MaxText.layers.embeddings import Llama3RopeScaling, apply_rotary_embedding
+from MaxText.layers.embeddings import LinearRopeScaling, Llama3RopeScaling, apply_rotary_embedding
 from MaxText.layers.flash_attention import flash_attention
 from MaxText.layers.gpu_attention import cudnn_attention, transformer_engine_attention
 from MaxText.layers.linears import DenseGeneral, Gemm
@@ -71,13 +72,31 @@ def masked_attention(query, key, value, mask, logits_soft_cap: float = 0.0, floa
   return out.reshape(batch, length, num_q, head_dim)
 
 
+@dataclasses.dataclass(frozen=True)
+class LocalAttention:
+  """Where local and global layers interleave (Gemma 3), what a local layer does instead: its sliding window and its
+  RoPE base (a local layer's RoPE is never scaled)."""
+
+  sliding_window: int
+  rope_max_timescale: float
+
+
+def choose(is_local, compute):
+  """compute(True) or compute(False): by Python for a known layer kind, by jax.lax.cond for a traced one (a scanned
+  layer's kind follows from its index). compute must be pure (no Flax variables)."""
+  if isinstance(is_local, bool):
+    return compute(is_local)
+  return jax.lax.cond(is_local, lambda: compute(True), lambda: compute(False))
+
+
 class Attention(nn.Module):
   """Self-attention with query/key/value/out kernels named as in upstream MaxText checkpoints.
 
   Kernels are [E, N, D] (query, key, value) and [N, D, E] (out): a reshape of the Hugging Face [N*D, E]
   projections. Options a family picks: use_rope (False for GPT-3), use_bias (GPT-3), use_qk_norm (Qwen3:
-  RMSNorm over head_dim of q and k before RoPE, `query_norm`/`key_norm`), fused_qkv (one `qkv_proj` kernel
-  [E, 3, N, D], needs Nq == Nkv).
+  RMSNorm over head_dim of q and k before RoPE, `query_norm`/`key_norm`; qk_norm_plus_one: scaled by 1 + w, Gemma 3),
+  fused_qkv (one `qkv_proj` kernel [E, 3, N, D], needs Nq == Nkv), local (a LocalAttention: the call's `is_local`
+  picks it instead of sliding_window and the RoPE fields; the params are the same).
 
   KV cache (decoding): when the model is applied with the `cache` collection mutable (mutable=["cache"]),
   each call writes its keys and values at the slots of their positions in `cache/cached_key` and
@@ -93,7 +112,7 @@ class Attention(nn.Module):
   attention_segments: str  # cudnn_flash_jax: gpu_attention.SEGMENTS (how packed segments are masked)
   rope_min_timescale: float
   rope_max_timescale: float
-  rope_scaling: Llama3RopeScaling | None
+  rope_scaling: Llama3RopeScaling | LinearRopeScaling | None
   query_scale: float  # multiplies the query after RoPE: 1/sqrt(head_dim), or query_pre_attn_scalar**-0.5
   sliding_window: int
   logits_soft_cap: float
@@ -109,6 +128,8 @@ class Attention(nn.Module):
   use_rope: bool = True
   use_bias: bool = False
   use_qk_norm: bool = False
+  qk_norm_plus_one: bool = False
+  local: LocalAttention | None = None
   # How the sequence is laid out over the devices (context parallelism); from the config (block_parts).
   layout: context_parallel.ContextParallel = context_parallel.NONE
 
@@ -160,22 +181,54 @@ class Attention(nn.Module):
         cached.append(self._cached(name, x, positions))
     return tuple(cached)
 
+  def _rope(self, query, key, positions, is_local: bool):
+    if not self.use_rope:
+      return query, key
+    timescale, scaling = self.rope_max_timescale, self.rope_scaling
+    if is_local:
+      timescale, scaling = self.local.rope_max_timescale, None
+    rope = functools.partial(
+      apply_rotary_embedding, min_timescale=self.rope_min_timescale, max_timescale=timescale, scaling=scaling
+    )
+    return rope(query, positions), rope(key, positions)
+
+  def _window(self, is_local: bool) -> int:
+    return self.local.sliding_window if is_local else self.sliding_window
+
+  def _attend(self, query, key, value, segment_ids, is_local: bool):
+    """The attention kernel over the whole (training or eval) sequence."""
+    kernels = {
+      "dot_product": functools.partial(dot_product_attention, layout=self.layout),
+      "flash": functools.partial(flash_attention, layout=self.layout),
+      "cudnn_flash_jax": functools.partial(cudnn_attention, segments=self.attention_segments),
+      "cudnn_flash_te": transformer_engine_attention,
+    }
+    kernel = kernels[self.attention_kernel]
+    if self.layout.ring:  # the config allows ring with dot_product only
+      kernel = functools.partial(sharded_ring_attention, layout=self.layout)
+    return kernel(
+      query, key, value, segment_ids, sliding_window=self._window(is_local), logits_soft_cap=self.logits_soft_cap
+    )
+
   @nn.compact
-  def __call__(self, x, positions, segment_ids, deterministic: bool):
-    """x (B, T, E), positions and segment_ids (B, T) -> (B, T, E). `deterministic`: no dropout (none here yet)."""
+  def __call__(self, x, positions, segment_ids, deterministic: bool, is_local=False):
+    """x (B, T, E), positions and segment_ids (B, T) -> (B, T, E). `deterministic`: no dropout (none here yet).
+
+    is_local: a bool, or a traced bool scalar (a scanned layer's): attend as `local` says (needs `local`)."""
     del deterministic
+    if self.local is None and is_local is not False:
+      raise ValueError("is_local needs the Attention's `local` field")
     query, key, value = self._project(x)
     if self.use_qk_norm:
-      norm = functools.partial(RMSNorm, epsilon=self.norm_epsilon, dtype=self.dtype, weight_dtype=self.weight_dtype)
-      query, key = norm(name="query_norm")(query), norm(name="key_norm")(key)
-    if self.use_rope:
-      rope = functools.partial(
-        apply_rotary_embedding,
-        min_timescale=self.rope_min_timescale,
-        max_timescale=self.rope_max_timescale,
-        scaling=self.rope_scaling,
+      norm = functools.partial(
+        RMSNorm,
+        epsilon=self.norm_epsilon,
+        dtype=self.dtype,
+        weight_dtype=self.weight_dtype,
+        scale_plus_one=self.qk_norm_plus_one,
       )
-      query, key = rope(query, positions), rope(key, positions)
+      query, key = norm(name="query_norm")(query), norm(name="key_norm")(key)
+    query, key = choose(is_local, functools.partial(self._rope, query, key, positions))
     # The softmax scale is applied here, not folded into the query kernel, so that checkpoints convert by
     # permutation only. Scaling q (not the logits) serves every kernel, flash included.
     query = nn.with_logical_constraint(
@@ -183,19 +236,10 @@ class Attention(nn.Module):
     )
     if self.is_mutable_collection("cache") and not self.is_initializing():
       key, value = self._update_cache(key, value, positions)  # (B, S, Nkv, D): every slot
-      mask = cache_mask(positions, self.cache_length, self.sliding_window)
+      mask = choose(is_local, lambda local: cache_mask(positions, self.cache_length, self._window(local)))
       out = masked_attention(query, key, value, mask, logits_soft_cap=self.logits_soft_cap)
     else:
-      kernels = {
-        "dot_product": functools.partial(dot_product_attention, layout=self.layout),
-        "flash": functools.partial(flash_attention, layout=self.layout),
-        "cudnn_flash_jax": functools.partial(cudnn_attention, segments=self.attention_segments),
-        "cudnn_flash_te": transformer_engine_attention,
-      }
-      kernel = kernels[self.attention_kernel]
-      if self.layout.ring:  # the config allows ring with dot_product only
-        kernel = functools.partial(sharded_ring_attention, layout=self.layout)
-      out = kernel(query, key, value, segment_ids, sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)
+      out = choose(is_local, functools.partial(self._attend, query, key, value, segment_ids))
     out = checkpoint_name(out, "context")  # (B, T, Nq, D)
     out = DenseGeneral(
       x.shape[-1],

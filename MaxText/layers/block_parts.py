@@ -15,7 +15,7 @@ import flax.linen as nn
 from MaxText import attention_selection
 from MaxText.layers import context_parallel
 from MaxText.layers.attentions import Attention
-from MaxText.layers.embeddings import Llama3RopeScaling
+from MaxText.layers.embeddings import LinearRopeScaling, Llama3RopeScaling
 from MaxText.layers.linears import Gemm, MlpBlock
 from MaxText.layers.moe import MoeBlock
 from MaxText.layers.normalizations import LayerNorm, RMSNorm
@@ -42,9 +42,10 @@ def layer_norm(config, name: str) -> LayerNorm:
   )
 
 
-def rope_scaling(config) -> Llama3RopeScaling | None:
+def rope_scaling(config) -> Llama3RopeScaling | LinearRopeScaling | None:
+  """Llama 3.1's scaling (rope_scaling_factor > 0), linear scaling (rope_linear_scaling_factor != 1), or None."""
   if config.rope_scaling_factor <= 0:
-    return None
+    return LinearRopeScaling(config.rope_linear_scaling_factor) if config.rope_linear_scaling_factor != 1 else None
   return Llama3RopeScaling(
     factor=config.rope_scaling_factor,
     low_freq_factor=config.rope_scaling_low_freq_factor,
@@ -54,7 +55,8 @@ def rope_scaling(config) -> Llama3RopeScaling | None:
 
 
 def self_attention(config, gemm: Gemm, name: str = "self_attention", **family_options) -> Attention:
-  """Attention from the config; family_options (use_rope, use_bias, use_qk_norm, sliding_window) override it."""
+  """Attention from the config; family_options (use_rope, use_bias, use_qk_norm, sliding_window, local, ...) override
+  it."""
   options = dict(
     num_query_heads=config.num_query_heads,
     num_kv_heads=config.num_kv_heads,
@@ -123,8 +125,12 @@ class DecoderFamily:
       decoder layers, as common_types.DECODER_LAYERS_PER_BLOCK says.
     final_norm: builds the norm after the last layer, called (config, name).
     scale_embedding: multiply the token embeddings by sqrt(emb_dim) in the activation dtype (Gemma).
+    takes_layer_index: the block is called with its index in the stack after `deterministic` (an int unrolled, a
+      traced int32 scalar under scan_layers), for layers whose computation, not params, depends on where they are
+      (Gemma 3's local and global layers).
   """
 
   layer: type[nn.Module]
   final_norm: Callable = rms_norm
   scale_embedding: bool = False
+  takes_layer_index: bool = False

@@ -70,8 +70,21 @@ class Llama3RopeScaling:
     return np.where(medium, smoothed, scaled).astype(f32)
 
 
+@dataclasses.dataclass(frozen=True)
+class LinearRopeScaling:
+  """Linear RoPE scaling (transformers' rope_type linear; Gemma 3's global layers): every frequency / factor."""
+
+  factor: float
+
+  def apply(self, inv_freq):
+    return (inv_freq / np.float32(self.factor)).astype(np.float32)
+
+
 def rope_inverse_frequencies(
-  head_dim: int, min_timescale: float, max_timescale: float, scaling: Llama3RopeScaling | None = None
+  head_dim: int,
+  min_timescale: float,
+  max_timescale: float,
+  scaling: Llama3RopeScaling | LinearRopeScaling | None = None,
 ):
   """The (D/2,) angular frequencies of RoPE, 1 / (min * (max/min)^(2i/D)), computed as transformers does (float32)."""
   fraction = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
@@ -81,7 +94,7 @@ def rope_inverse_frequencies(
 
 
 def apply_rotary_embedding(
-  x, positions, min_timescale: float, max_timescale: float, scaling: Llama3RopeScaling | None = None
+  x, positions, min_timescale: float, max_timescale: float, scaling: Llama3RopeScaling | LinearRopeScaling | None = None
 ):
   """RoPE in the split-halves convention: x = [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin].
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText import common_types
-from MaxText.layers import block_parts, gemma, gemma2, gpt3, linears, quantizations
+from MaxText.layers import block_parts, gemma, gemma2, gemma3, gpt3, linears, quantizations
 from MaxText.layers.attention_masks import soft_cap
 from MaxText.layers.block_parts import DecoderFamily
 from MaxText.layers.default_block import DecoderLayer
@@ -27,6 +27,7 @@ DECODER_BLOCKS = {
   "mixtral": DecoderFamily(MixtralDecoderLayer),
   "gemma": gemma.FAMILY,
   "gemma2": gemma2.FAMILY,
+  "gemma3": gemma3.FAMILY,
   "gpt3": gpt3.FAMILY,
   "qwen3": DecoderFamily(Qwen3DecoderLayer),
   "qwen3_moe": DecoderFamily(Qwen3MoeDecoderLayer),
@@ -81,18 +82,20 @@ def logits_dot_dtype(cfg) -> str:
 
 
 @functools.cache
-def _stacked(block_cls, scanned: bool):
+def _stacked(family: DecoderFamily, scanned: bool):
   """The block as the stack runs it: its input constrained to the activation sharding and named
   decoder_layer_input (what remat keeps at least), and with nn.scan's (carry, out) signature when scanned.
-  Params keep the block's own names."""
+  The stack gives every block its index; only a family that takes_layer_index gets it. Params keep the block's own
+  names."""
 
-  class Stacked(block_cls):
-    def __call__(self, x, *args):
+  class Stacked(family.layer):
+    def __call__(self, x, positions, segment_ids, deterministic, layer_index):
       x = nn.with_logical_constraint(x, ("activation_batch", "activation_length", "activation_embed"))
+      args = (positions, segment_ids, deterministic) + ((layer_index,) if family.takes_layer_index else ())
       y = super().__call__(checkpoint_name(x, "decoder_layer_input"), *args)  # (B, T, E)
       return (y, None) if scanned else y
 
-  Stacked.__name__ = block_cls.__name__
+  Stacked.__name__ = family.layer.__name__
   return Stacked
 
 
@@ -105,9 +108,9 @@ class Decoder(nn.Module):
 
   def _block_stack(self):
     cfg = self.config
-    block = _stacked(DECODER_BLOCKS[cfg.decoder_block].layer, cfg.scan_layers)
+    block = _stacked(DECODER_BLOCKS[cfg.decoder_block], cfg.scan_layers)
     if cfg.remat_policy != "none":
-      # Args are (self, x, positions, segment_ids, deterministic): `deterministic` is a Python bool.
+      # Args are (self, x, positions, segment_ids, deterministic, layer_index): `deterministic` is a Python bool.
       block = nn.remat(block, prevent_cse=not cfg.scan_layers, policy=REMAT_POLICIES[cfg.remat_policy], static_argnums=(4,))
     return block
 
@@ -144,13 +147,13 @@ class Decoder(nn.Module):
     block = self._block_stack()
     if not cfg.scan_layers:
       for i in range(num_blocks(cfg)):
-        y = block(config=cfg, gemm=self.gemm, name=f"layers_{i}")(y, positions, segment_ids, deterministic)
+        y = block(config=cfg, gemm=self.gemm, name=f"layers_{i}")(y, positions, segment_ids, deterministic, i)
       return y
     stack = nn.scan(
       block,
       variable_axes={"params": cfg.param_scan_axis, **STACKED_COLLECTIONS},
       split_rngs={"params": True, "dropout": True},
-      in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+      in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0),
       length=num_blocks(cfg),
       metadata_params={nn.PARTITION_NAME: "layers"},
     )
@@ -159,7 +162,8 @@ class Decoder(nn.Module):
       tables = quantizations.layer_tables(self.gemm.quant, self.variables["params"]["layers"])
     if tables is not None:  # each layer's quantization recipe, which its dense modules switch on
       stack = nn.map_variables(stack, quantizations.TABLE_COLLECTION, trans_in_fn=lambda _: tables, init=False)
-    y, _ = stack(config=cfg, gemm=self.gemm, name="layers")(y, positions, segment_ids, deterministic)
+    indices = jnp.arange(num_blocks(cfg), dtype=jnp.int32)
+    y, _ = stack(config=cfg, gemm=self.gemm, name="layers")(y, positions, segment_ids, deterministic, indices)
     return y
 
   def _logits(self, y):

@@ -69,6 +69,7 @@ def test_the_switches_are_those_the_companion_warnings_named():
     "enable_wandb=true": ["wandb_project", "wandb_run_name"],
     "enable_goodput_recording=true": ["monitor_goodput", "goodput_upload_interval_seconds"],
     "enable_emergency_checkpoint=true": ["local_checkpoint_directory", "local_checkpoint_period"],
+    "decoder_block=gemma3": ["local_rope_max_timescale"],
   }
 
 

@@ -44,6 +44,18 @@ FAMILIES = {
   "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16}),
   "gemma": ("gemma", {}),
   "gemma2": ("gemma2", {"sliding_window": 16}),  # query_pre_attn_scalar 256, soft caps 50 and 30 (defaults)
+  # 8 layers: a global one (layer 5) among local ones, and 2 after the last whole pattern of 6 (as 1b's 26).
+  "gemma3": (
+    "gemma3_text",
+    {
+      "num_hidden_layers": 8,
+      "sliding_window": 16,
+      "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+      },
+    },
+  ),
   "qwen3": ("qwen3", {}),
   "qwen3_moe": (
     "qwen3_moe",
@@ -278,6 +290,77 @@ def test_config_json_old_and_new_rope_forms():
   unsupported = dict(base, rope_scaling={"rope_type": "yarn", "factor": 4.0})
   with pytest.raises(checkpointing.UserError, match="rope type 'yarn' is not supported"):
     llama.config_to_maxtext(unsupported, "yarn/config.json")
+
+
+def test_gemma3_config_forms_of_the_hub_and_transformers_5():
+  """The Hub's 1b config.json (rope_theta, rope_local_base_freq, sliding_window_pattern, no layer_types), its 4b one
+  (a multimodal config whose sparse text_config leans on transformers' defaults) and transformers 5's
+  rope_parameters per layer type."""
+  from MaxText.hf_conversion import gemma3  # pylint: disable=import-outside-toplevel
+
+  hub_1b = {
+    "model_type": "gemma3_text",
+    "hidden_size": 1152,
+    "intermediate_size": 6912,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "vocab_size": 262144,
+    "query_pre_attn_scalar": 256,
+    "rope_theta": 1000000,
+    "rope_local_base_freq": 10000,
+    "rope_scaling": None,
+    "sliding_window": 512,
+    "sliding_window_pattern": 6,
+    "hidden_activation": "gelu_pytorch_tanh",
+  }
+  keys = gemma3.config_to_maxtext(hub_1b, "1b/config.json")
+  assert (keys["rope_max_timescale"], keys["local_rope_max_timescale"], keys["rope_linear_scaling_factor"]) == (
+    1000000,
+    10000,
+    1.0,
+  )
+  assert (keys["base_num_decoder_layers"], keys["sliding_window_size"], keys["vocab_size"]) == (26, 512, 262144)
+  text = {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34}
+  text.update(rope_scaling={"factor": 8.0, "rope_type": "linear"}, sliding_window=1024)
+  hub_4b = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "text_config": text}
+  keys = gemma3.config_to_maxtext(hub_4b, "4b/config.json")
+  assert (keys["base_num_query_heads"], keys["base_num_kv_heads"], keys["head_dim"], keys["vocab_size"]) == (
+    8,
+    4,
+    256,
+    262208,
+  )
+  assert (keys["rope_linear_scaling_factor"], keys["rope_max_timescale"], keys["local_rope_max_timescale"]) == (
+    8.0,
+    1000000,
+    10000,
+  )
+  v5 = transformers.Gemma3TextConfig(**{k: v for k, v in text.items() if k != "model_type"}).to_dict()
+  assert gemma3.config_to_maxtext(v5, "v5/config.json") == keys
+  shifted = dict(hub_1b, layer_types=["full_attention"] + ["sliding_attention"] * 25)
+  with pytest.raises(checkpointing.UserError, match="a global \\(full attention\\) layer after every 5 local"):
+    gemma3.config_to_maxtext(shifted, "shifted/config.json")
+
+
+def test_gemma3_multimodal_checkpoint_gives_its_text_model(tmp_path):
+  """Gemma3ForConditionalGeneration (how the Hub ships 4b and up): the text model converts, the vision tower is left
+  out, and the logits of a text-only input match transformers'."""
+  text = dict(TINY, **FAMILIES["gemma3"][1])
+  vision = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+  )
+  config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+  model = transformers.Gemma3ForConditionalGeneration(config)
+  _randomize(model, seed=3)
+  model.save_pretrained(tmp_path / "hf")
+  converter.to_maxtext(str(tmp_path / "hf"), str(tmp_path / "maxtext"))
+  tokens = logit_check.random_tokens(TINY["vocab_size"])
+  max_abs, _ = logit_check.compare(
+    logit_check.hf_logits(str(tmp_path / "hf"), tokens), _logits(str(tmp_path / "maxtext"), tokens)
+  )
+  assert max_abs < TOLERANCE
 
 
 @pytest.mark.slow

@@ -58,7 +58,7 @@ def _check_cache_equals_recompute(config):
   return np.abs(result.logits - full).max()
 
 
-_QUICK = ("llama2", "mistral", "gemma", "gemma2")
+_QUICK = ("llama2", "mistral", "gemma", "gemma2", "gemma3")
 
 
 @pytest.mark.parametrize(

@@ -52,7 +52,10 @@ def _np_llama3_frequencies(head_dim, base, factor, low, high, original):
   return np.array(out)
 
 
-def _np_frequencies(cfg, head_dim):
+def _np_frequencies(cfg, head_dim, local=False):
+  """local: a Gemma 3 local layer's (its own base, never scaled); rope_linear_scaling_factor divides the others'."""
+  if local:
+    return 1.0 / cfg.local_rope_max_timescale ** (np.arange(0, head_dim, 2) / head_dim)
   if cfg.rope_scaling_factor > 0:
     return _np_llama3_frequencies(
       head_dim,
@@ -62,7 +65,7 @@ def _np_frequencies(cfg, head_dim):
       cfg.rope_scaling_high_freq_factor,
       cfg.rope_scaling_original_max_position_embeddings,
     )
-  return 1.0 / cfg.rope_max_timescale ** (np.arange(0, head_dim, 2) / head_dim)
+  return 1.0 / cfg.rope_max_timescale ** (np.arange(0, head_dim, 2) / head_dim) / cfg.rope_linear_scaling_factor
 
 
 def _np_rope(x, positions, freqs):  # x: (T, N, D); transformers' rotate_half convention
@@ -78,14 +81,15 @@ def _np_proj(p, x, name):
   return y + p[name]["bias"] if "bias" in p[name] else y
 
 
-def _np_attention(p, x, positions, segments, cfg, window, rope=True, qk_norm=False):
-  """One row: x (T, E) -> (T, E)."""
+def _np_attention(p, x, positions, segments, cfg, window, rope=True, qk_norm=False, plus_one=False, local=False):
+  """One row: x (T, E) -> (T, E). plus_one: (1 + w) q/k norms (Gemma 3); local: a Gemma 3 local layer's RoPE."""
   q, k, v = _np_proj(p, x, "query"), _np_proj(p, x, "key"), _np_proj(p, x, "value")
   eps = cfg.normalization_layer_epsilon
   if qk_norm:
-    q, k = _np_rms_norm(q, p["query_norm"]["scale"], eps), _np_rms_norm(k, p["key_norm"]["scale"], eps)
+    norm = functools.partial(_np_rms_norm, eps=eps, plus_one=plus_one)
+    q, k = norm(q, p["query_norm"]["scale"]), norm(k, p["key_norm"]["scale"])
   if rope:
-    freqs = _np_frequencies(cfg, q.shape[-1])
+    freqs = _np_frequencies(cfg, q.shape[-1], local)
     q, k = _np_rope(q, positions, freqs), _np_rope(k, positions, freqs)
   group = q.shape[1] // k.shape[1]
   k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
@@ -120,8 +124,10 @@ def _np_mlp(p, x, cfg):
   return dense("wo", np.prod([_NP_ACT[a](dense(n, x)) for a, n in zip(acts, names)], axis=0))
 
 
-def _np_layer(family, lp, x, pos, seg, cfg, window):
-  """One decoder layer of a family, written as its reference implementation (transformers) reads."""
+def _np_layer(family, lp, x, pos, seg, cfg, window, local=False):
+  """One decoder layer of a family, written as its reference implementation (transformers) reads.
+
+  local: a Gemma 3 local layer (its window is `window`)."""
   eps = cfg.normalization_layer_epsilon
   if family in ("llama2", "mistral", "qwen3"):
     norm = functools.partial(_np_rms_norm, eps=eps)
@@ -135,9 +141,11 @@ def _np_layer(family, lp, x, pos, seg, cfg, window):
       qk_norm=family == "qwen3",
     )
     return h + _np_mlp(lp["mlp"], norm(h, lp["post_self_attention_layer_norm"]["scale"]), cfg)
-  if family in ("gemma", "gemma2"):
+  if family in ("gemma", "gemma2", "gemma3"):
     norm = functools.partial(_np_rms_norm, eps=eps, plus_one=True)
-    attn = _np_attention(lp["self_attention"], norm(x, lp["pre_self_attention_norm"]["scale"]), pos, seg, cfg, window)
+    gemma3 = family == "gemma3"
+    normed = norm(x, lp["pre_self_attention_norm"]["scale"])
+    attn = _np_attention(lp["self_attention"], normed, pos, seg, cfg, window, True, gemma3, gemma3, local)
     if cfg.use_post_attn_norm:
       attn = norm(attn, lp["post_self_attention_norm"]["scale"])
     h = x + attn
@@ -161,7 +169,7 @@ def _np_forward(family, params, tokens, positions, segments, cfg):
   for row in range(tokens.shape[0]):
     pos, seg = positions[row], segments[row]
     x = table[tokens[row]]
-    if family in ("gemma", "gemma2"):
+    if family in ("gemma", "gemma2", "gemma3"):
       x = x * np.sqrt(cfg.emb_dim)
     if cfg.trainable_position_size > 0:
       x = x + dec["position_embedder"]["embedding"][pos]
@@ -170,13 +178,16 @@ def _np_forward(family, params, tokens, positions, segments, cfg):
       if family == "gemma2":
         x = _np_layer(family, lp["local"], x, pos, seg, cfg, cfg.sliding_window_size)
         x = _np_layer(family, lp["global"], x, pos, seg, cfg, 0)
+      elif family == "gemma3":  # layers 5, 11, ... are global
+        local = (i + 1) % 6 != 0
+        x = _np_layer(family, lp, x, pos, seg, cfg, cfg.sliding_window_size if local else 0, local)
       else:
         x = _np_layer(family, lp, x, pos, seg, cfg, cfg.sliding_window_size)
     fn = dec["decoder_norm"]
     if family == "gpt3":
       x = _np_layer_norm(x, fn["scale"], fn["bias"], cfg.normalization_layer_epsilon)
     else:
-      x = _np_rms_norm(x, fn["scale"], cfg.normalization_layer_epsilon, plus_one=family in ("gemma", "gemma2"))
+      x = _np_rms_norm(x, fn["scale"], cfg.normalization_layer_epsilon, plus_one=family in ("gemma", "gemma2", "gemma3"))
     if cfg.logits_via_embedding:
       logits = x @ table.T / (np.sqrt(cfg.emb_dim) if cfg.normalize_embedding_logits else 1)
     else:
@@ -229,6 +240,20 @@ FAMILIES = {
     "sliding_window_size=5",
     "attn_logits_soft_cap=2.0",
     "final_logits_soft_cap=3.0",
+    "use_post_attn_norm=true",
+    "use_post_ffw_norm=true",
+    "query_pre_attn_scalar=12",
+  ],
+  # 8 layers: 6 (the last global) and 2 more local ones; each kind with its RoPE base, the global one scaled.
+  "gemma3": [
+    "mlp_activations=[gelu,linear]",
+    "logits_via_embedding=true",
+    "normalize_embedding_logits=false",
+    "base_num_decoder_layers=8",
+    "sliding_window_size=5",
+    "rope_max_timescale=1000000",
+    "local_rope_max_timescale=100",
+    "rope_linear_scaling_factor=8",
     "use_post_attn_norm=true",
     "use_post_ffw_norm=true",
     "query_pre_attn_scalar=12",
@@ -344,6 +369,23 @@ def test_flash_sliding_window_and_soft_cap_match_dot_product():
 
   got = flash_attention(q, k, v, seg, interpret=True, **options)
   np.testing.assert_allclose(got, attentions.dot_product_attention(q, k, v, seg, **options), atol=2e-6)
+
+
+@pytest.mark.parametrize("kernel", ["dot_product", "flash"])
+def test_a_traced_layer_kind_picks_the_local_or_global_attention(kernel):
+  """A scanned Gemma 3 layer knows its kind as a traced bool: jax.lax.cond must pick what a known kind computes."""
+  config = tiny_config("base_emb_dim=64", "head_dim=64", "max_target_length=128", "rope_max_timescale=1000000")
+  local = attentions.LocalAttention(sliding_window=20, rope_max_timescale=100)
+  # flash on CPU devices runs in the Pallas interpreter (the config itself refuses flash on a CPU)
+  attention = block_parts.self_attention(config, linears.Gemm(), attention_kernel=kernel, sliding_window=0, local=local)
+  x = jax.random.normal(jax.random.PRNGKey(0), (1, 128, 64))
+  positions, segments = jnp.arange(128)[None], jnp.ones((1, 128), jnp.int32)
+  params = attention.init(jax.random.PRNGKey(1), x, positions, segments, True)
+  traced = jax.jit(lambda kind: attention.apply(params, x, positions, segments, True, is_local=kind))
+  for is_local in (True, False):
+    known = attention.apply(params, x, positions, segments, True, is_local=is_local)
+    np.testing.assert_allclose(traced(jnp.asarray(is_local)), known, atol=2e-6)
+  assert not np.allclose(traced(jnp.asarray(True)), traced(jnp.asarray(False)), atol=1e-3)
 
 
 # ----------------------------------------------------------------------------- families

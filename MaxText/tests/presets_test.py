@@ -28,6 +28,12 @@ PUBLISHED = {
   "gemma2-2b": (2_614_341_888, "google/gemma-2-2b"),
   "gemma2-9b": (9_241_705_984, "google/gemma-2-9b"),
   "gemma2-27b": (27_227_128_320, "google/gemma-2-27b"),
+  # Gemma 3: the text model, the technical report's Table 1 (embedding + non-embedding parameters; the vision
+  # encoder's 417M left out). 1b's equals google/gemma-3-1b-pt's safetensors total, 999,885,952.
+  "gemma3-1b": (1_000_000_000, "Gemma 3 Technical Report, Table 1: 302M embedding + 698M non-embedding"),
+  "gemma3-4b": (3_884_000_000, "Gemma 3 Technical Report, Table 1: 675M + 3,209M (vision encoder 417M apart)"),
+  "gemma3-12b": (11_771_000_000, "Gemma 3 Technical Report, Table 1: 1,012M + 10,759M (vision encoder 417M apart)"),
+  "gemma3-27b": (27_016_000_000, "Gemma 3 Technical Report, Table 1: 1,416M + 25,600M (vision encoder 417M apart)"),
   "gpt3-175b": (175_000_000_000, "Brown et al. 2020, Language Models are Few-Shot Learners, Table 2.1 (175.0B)"),
   "qwen3-0.6b": (596_049_920, "Qwen/Qwen3-0.6B"),
   "qwen3-8b": (8_190_735_360, "Qwen/Qwen3-8B"),
