@@ -296,14 +296,18 @@ def _lowered(config, mesh):
 
 def _step_cost(config, mesh, compiled) -> tuple[roofline.Cost | None, float]:
   """(the step's cost per device, the layer loops' share of it); scanned layers are costed by two unrolled probes
-  (see roofline's doc); unrolled layers have no loop."""
+  (see roofline's doc); unrolled layers have no loop. With several stacks (DeepSeek) the probes hold the first
+  stacks whole and one or two blocks of the last, which is the bulk."""
   if not config.scan_layers:
     cost = roofline.Cost.of(compiled.cost_analysis())
     return (cost * config.gradient_accumulation_steps if cost else None), 0.0
   block = common_types.layers_per_block(config.decoder_block)
+  stacks = common_types.layer_stacks(config.decoder_block, config.num_decoder_layers, config.first_num_dense_layers)
+  last = list(stacks.values())[-1]
+  before = config.num_decoder_layers - last * block  # the layers of the stacks before the last, in every probe
   probes = []
   for blocks in (1, 2):
-    probe = config.replace(scan_layers=False, num_decoder_layers=blocks * block)
+    probe = config.replace(scan_layers=False, num_decoder_layers=before + blocks * block)
     try:
       probes.append(roofline.Cost.of(_lowered(probe, mesh)[1].compile().cost_analysis()))
     except Exception as error:  # pylint: disable=broad-except  # an estimate must not fail the verdict
@@ -311,8 +315,7 @@ def _step_cost(config, mesh, compiled) -> tuple[roofline.Cost | None, float]:
       return None, 0.0
   if None in probes:
     return None, 0.0
-  blocks = config.num_decoder_layers // block
-  return roofline.step_cost(*probes, blocks, config.gradient_accumulation_steps), roofline.layers_share(*probes, blocks)
+  return roofline.step_cost(*probes, last, config.gradient_accumulation_steps), roofline.layers_share(*probes, last)
 
 
 def _in_gib(num_bytes: int) -> str:  # the verdict's unit, whatever the size

@@ -26,6 +26,8 @@ def _cudnn_obstacle(values) -> str:
   """Why cuDNN's flash attention cannot run this config ("" when it can), naming the key."""
   if values["dtype"] not in CUDNN_DTYPES:
     return f"dtype={values['dtype']} (cuDNN flash attention needs {' or '.join(CUDNN_DTYPES)})"
+  if values.get("decoder_block") == "deepseek":
+    return "decoder_block=deepseek (its multi-head latent attention runs dot_product or flash)"
   if values["attn_logits_soft_cap"]:
     return f"attn_logits_soft_cap={values['attn_logits_soft_cap']} (cuDNN has no logits soft cap)"
   head_dim = values["head_dim"]

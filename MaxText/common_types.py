@@ -3,7 +3,19 @@
 Each implementing module has a test asserting that its table covers exactly these names.
 """
 
-DECODER_BLOCKS = ("default", "llama2", "mistral", "mixtral", "gemma", "gemma2", "gemma3", "gpt3", "qwen3", "qwen3_moe")
+DECODER_BLOCKS = (
+  "default",
+  "llama2",
+  "mistral",
+  "mixtral",
+  "gemma",
+  "gemma2",
+  "gemma3",
+  "gpt3",
+  "qwen3",
+  "qwen3_moe",
+  "deepseek",
+)
 # Decoder layers in one block of the stack, where not 1 (Gemma 2 stacks (local, global) pairs): the one place that
 # says it, read by the config checks (before JAX starts), the decoder stack and the quantization recipes.
 DECODER_LAYERS_PER_BLOCK = {"gemma2": 2}
@@ -16,6 +28,24 @@ def layers_per_block(decoder_block: str) -> int:
 def num_blocks(decoder_block: str, num_decoder_layers: int) -> int:
   """The blocks of the decoder stack (scanned as decoder/layers, or unrolled as layers_0 .. layers_{n-1})."""
   return num_decoder_layers // layers_per_block(decoder_block)
+
+
+# Families whose decoder is two stacks of different layers: the first `first_num_dense_layers` layers (dense
+# feed-forward) in the first, the rest (mixture of experts) in the second, named as upstream MaxText's checkpoints.
+SPLIT_STACKS = {"deepseek": ("dense_layers", "moe_layers")}
+STACK_NAMES = ("layers", "dense_layers", "moe_layers")  # every name a stack of blocks has under decoder/
+# Families whose routers hold a selection bias that the optimizer must not move (routing_bias.py).
+ROUTING_BIAS_BLOCKS = ("deepseek",)
+
+
+def layer_stacks(decoder_block: str, num_decoder_layers: int, first_num_dense_layers: int = 0) -> dict[str, int]:
+  """The decoder's stacks of blocks in the order they run: name -> blocks (params decoder/<name> scanned, or
+  <name>_0 .. <name>_<n-1> unrolled). One stack, `layers`, except for SPLIT_STACKS (an empty stack is left out)."""
+  if decoder_block in SPLIT_STACKS:
+    dense, moe = SPLIT_STACKS[decoder_block]
+    counts = {dense: first_num_dense_layers, moe: num_decoder_layers - first_num_dense_layers}
+    return {name: count for name, count in counts.items() if count > 0}
+  return {"layers": num_blocks(decoder_block, num_decoder_layers)}
 
 
 ATTENTION_KERNELS = ("autoselected", "dot_product", "flash", "cudnn_flash_jax", "cudnn_flash_te")

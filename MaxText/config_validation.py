@@ -14,11 +14,16 @@ def _check_choices(v):
       raise ConfigError(f"{key}={v[key]} is not valid; choose one of: {entry.describe_choices()}")
 
 
+# Upstream values of refused keys that say what this config does anyway: (key, value) -> (key, value) that makes it so.
+_UPSTREAM_VALUES_THAT_HOLD = {("attention_type", "mla"): ("decoder_block", "deepseek")}
+
+
 def _check_upstream_defaults(v):
   """Upstream MaxText's keys for features that do not apply here: their default loads, another value is refused."""
   defaults = config_loader.base_defaults()
   for key, entry in config_schema.KEYS.items():
-    if entry.refused and v[key] != defaults[key]:
+    holds = _UPSTREAM_VALUES_THAT_HOLD.get((key, v[key])) if isinstance(v[key], str) else None
+    if entry.refused and v[key] != defaults[key] and not (holds and v[holds[0]] == holds[1]):
       raise ConfigError(f"{key}={config_loader.show_value(v[key])}: {entry.refused}")
 
 
@@ -81,6 +86,45 @@ def _check_layer_options(v):
       f"base_num_decoder_layers={v['base_num_decoder_layers']} must be a multiple of {per_block} for "
       f"decoder_block={v['decoder_block']} (its scanned block holds {per_block} layers)"
     )
+
+
+def _check_deepseek(v):
+  """DeepSeek-V3's routing groups and dense layers fit; what its latent attention does not do is refused by name."""
+  if v["rope_type"] == "yarn" and v["decoder_block"] != "deepseek":
+    raise ConfigError(
+      f"rope_type=yarn is for multi-head latent attention (decoder_block=deepseek), not {v['decoder_block']}"
+    )
+  if v["decoder_block"] != "deepseek":
+    return
+  if v["first_num_dense_layers"] > v["base_num_decoder_layers"]:
+    raise ConfigError(
+      f"first_num_dense_layers={v['first_num_dense_layers']} must not exceed base_num_decoder_layers="
+      f"{v['base_num_decoder_layers']}"
+    )
+  experts, groups, chosen = v["num_experts"], v["n_routing_groups"], v["topk_routing_group"]
+  if experts % groups or chosen > groups:
+    raise ConfigError(
+      f"n_routing_groups={groups} must divide num_experts={experts}, and topk_routing_group={chosen} must not exceed it"
+    )
+  if v["num_experts_per_tok"] > chosen * experts // groups:
+    raise ConfigError(
+      f"num_experts_per_tok={v['num_experts_per_tok']} exceeds the experts of topk_routing_group={chosen} groups "
+      f"({chosen * experts // groups})"
+    )
+  unsupported = {
+    "quantization": v["quantization"],
+    "quantize_kvcache": v["quantize_kvcache"],
+    "numerics_debug_config": v["numerics_debug_config"],
+    "sliding_window_size": v["sliding_window_size"],
+    "fused_qkv": v["fused_qkv"],
+    "rope_scaling_factor": v["rope_scaling_factor"] > 0 and v["rope_scaling_factor"],
+    "rope_linear_scaling_factor": v["rope_linear_scaling_factor"] != 1 and v["rope_linear_scaling_factor"],
+    "ici_context_parallelism": v["ici_context_parallelism"] != 1 and v["ici_context_parallelism"],
+    "dcn_context_parallelism": v["dcn_context_parallelism"] != 1 and v["dcn_context_parallelism"],
+  }
+  for key, value in unsupported.items():
+    if value:
+      raise ConfigError(f"{key}={value} is not supported with decoder_block=deepseek (multi-head latent attention)")
 
 
 def _check_activations(v):
@@ -234,6 +278,7 @@ def validate_static(values: dict) -> None:
   _check_numbers(values)
   _check_activations(values)
   _check_layer_options(values)
+  _check_deepseek(values)
   _check_mesh(values)
   _check_paths(values)
   _check_emergency_checkpoint(values)

@@ -11,7 +11,7 @@ checkpoint), and writes config.json, safetensors and the tokenizer files that
 transformers.AutoModelForCausalLM.from_pretrained loads.
 --check_logits runs both implementations in float32 on fixed random tokens and prints
 `logit check: max_abs_diff=<x> kl=<y>`; it fails above 1e-3 (needs torch and transformers).
-Families: llama (Llama 2, 3, 3.1), mistral, mixtral, gemma, gemma2, gemma3 (text), qwen3, qwen3_moe.
+Families: llama (Llama 2, 3, 3.1), mistral, mixtral, gemma, gemma2, gemma3 (text), qwen3, qwen3_moe, deepseek (V3).
 """
 
 import argparse

@@ -8,6 +8,10 @@ Counting (multiply-add = 2 FLOPs; x3 for forward + backward):
               ATTN causal: 2*B*T^2*Nq*D    (q.k^T and probs.v, 2*2*B*T^2*Nq*D, halved because a causal
                                             mask leaves only the lower triangle of useful work)
   once:       LOGITS 2*B*T*E*V
+DeepSeek (decoder_block=deepseek): multi-head latent attention's projections (q through q_lora_rank or direct, the
+kv latent and its expansion, out) replace QKV and OUT, its attention is 2*B*T^2*Nq*(Dqk + Dv) before the causal
+halving; the first first_num_dense_layers layers run the dense FFN, the others k routed + shared_experts experts of
+width moe_mlp_dim and the router.
 Upstream MaxText (mid-2024) counted attention without the causal halving (4*B*T^2*Nq*D); later
 upstream switched to the causal count used here. `causal_attention=False` gives the old figure.
 """
@@ -81,25 +85,50 @@ class StepFlops:
     return self.learnable_tflops + self.attention_tflops
 
 
+def _attention_flops(config, tokens: float) -> tuple[float, float]:
+  """(projection FLOPs, attention FLOPs without the causal halving) of one layer's attention."""
+  emb, num_q, length = config.emb_dim, config.num_query_heads, config.max_target_length
+  if config.decoder_block != "deepseek":
+    head_dim = config.head_dim
+    projections = 2 * tokens * emb * (num_q + 2 * config.num_kv_heads) * head_dim + 2 * tokens * num_q * head_dim * emb
+    return projections, 4 * tokens * length * num_q * head_dim
+  qk_dim, v_dim = config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
+  if config.q_lora_rank > 0:
+    query = 2 * tokens * config.q_lora_rank * (emb + num_q * qk_dim)
+  else:
+    query = 2 * tokens * emb * num_q * qk_dim
+  latent = 2 * tokens * emb * (config.kv_lora_rank + config.qk_rope_head_dim)
+  expand = 2 * tokens * config.kv_lora_rank * num_q * (config.qk_nope_head_dim + v_dim)
+  out = 2 * tokens * num_q * v_dim * emb
+  return query + latent + expand + out, 2 * tokens * length * num_q * (qk_dim + v_dim)
+
+
+def _ffn_flops(config, tokens: float) -> float:
+  """The feed-forward FLOPs of all layers: dense MLPs, or the experts a token runs (and the router)."""
+  gated = len(config.mlp_activations) + 1
+  dense = 2 * tokens * config.emb_dim * config.mlp_dim * gated
+  router = 2 * tokens * config.emb_dim * config.num_experts
+  layers = config.num_decoder_layers
+  if config.decoder_block == "deepseek":
+    experts = (config.num_experts_per_tok + config.shared_experts) * 2 * tokens * config.emb_dim * config.moe_mlp_dim * gated
+    dense_layers = config.first_num_dense_layers
+    return dense * dense_layers + (experts + router) * (layers - dense_layers)
+  if config.num_experts > 1:  # each token runs num_experts_per_tok experts, after the router's projection
+    return (dense * config.num_experts_per_tok + router) * layers
+  return dense * layers
+
+
 def training_tflops_per_device(config, causal_attention: bool = True) -> StepFlops:
   """Training TFLOPs per device per optimizer step (all gradient accumulation microbatches)."""
   tokens = config.per_device_batch_size * config.max_target_length  # B*T, may be fractional
-  emb, mlp, head_dim = config.emb_dim, config.mlp_dim, config.head_dim
-  num_q, num_kv = config.num_query_heads, config.num_kv_heads
-  ffn = 2 * tokens * emb * mlp * (len(config.mlp_activations) + 1)
-  if config.num_experts > 1:  # each token runs num_experts_per_tok experts, after the router's projection
-    ffn = ffn * config.num_experts_per_tok + 2 * tokens * emb * config.num_experts
-  qkv = 2 * tokens * emb * (num_q + 2 * num_kv) * head_dim
-  out = 2 * tokens * num_q * head_dim * emb
-  attention = 4 * tokens * config.max_target_length * num_q * head_dim
+  projections, attention = _attention_flops(config, tokens)
   if causal_attention:
     attention /= 2
-  logits = 2 * tokens * emb * config.vocab_size
+  logits = 2 * tokens * config.emb_dim * config.vocab_size
   layers = config.num_decoder_layers
   scale = 3 * config.gradient_accumulation_steps / 1e12
-  return StepFlops(
-    learnable_tflops=((ffn + qkv + out) * layers + logits) * scale, attention_tflops=attention * layers * scale
-  )
+  learnable = projections * layers + _ffn_flops(config, tokens) + logits
+  return StepFlops(learnable_tflops=learnable * scale, attention_tflops=attention * layers * scale)
 
 
 def tokens_per_device_per_step(config) -> float:

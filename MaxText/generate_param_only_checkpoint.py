@@ -29,9 +29,11 @@ def _abstract_params(config, mesh, memory_limit_bytes):
 def _source_is_scanned(path: str) -> bool:
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
 
+  from MaxText import params_layout  # pylint: disable=import-outside-toplevel
+
   try:
     tree = ocp.PyTreeCheckpointer().metadata(path).item_metadata.tree
-    return "layers" in tree["params"]["decoder"]
+    return params_layout.is_scanned(tree["params"])
   except Exception as e:  # pylint: disable=broad-except
     raise UserError(f"{path} is not a MaxText checkpoint with params/decoder ({type(e).__name__}: {e})") from None
 
@@ -71,11 +73,11 @@ def generate(argv, memory_limit_bytes: int | None = None) -> str:
   device_mesh = mesh.create_device_mesh(read_config)
   params = checkpointing.load_params(source, _abstract_params(read_config, device_mesh, memory_limit_bytes))
   decoder = params["decoder"]
-  blocks = models.num_blocks(config)  # scanned blocks: Gemma 2 stacks (local, global) layer pairs
+  stacks = models.layer_stacks(config)  # scanned blocks per stack: Gemma 2 stacks (local, global) layer pairs
   if scanned_in and not scanned_out:
-    decoder = layer_stacking.unstack_layers(decoder, blocks, config.param_scan_axis)
+    decoder = layer_stacking.unstack_all(decoder, stacks, config.param_scan_axis)
   elif scanned_out and not scanned_in:
-    decoder = layer_stacking.stack_layers(decoder, blocks, config.param_scan_axis)
+    decoder = layer_stacking.stack_all(decoder, stacks, config.param_scan_axis)
   params = dict(params, decoder=decoder)
   params = jax.tree.map(lambda x: x.astype(config.weight_dtype), params)
   checkpointer = ocp.StandardCheckpointer()

@@ -1,21 +1,43 @@
 """Params checkpoints in either layer layout: scanned (`decoder/layers`, stacked on param_scan_axis) or per-layer
-(`decoder/layers_<i>`). A checkpoint is restored in its own layout, then stacked or unstacked on the devices
-into the layout of the run (scan_layers), so load_parameters_path takes either whatever the run uses.
+(`decoder/layers_<i>`); likewise for each stack of a family with several (DeepSeek's dense_layers and moe_layers).
+A checkpoint is restored in its own layout, then stacked or unstacked on the devices into the layout of the run
+(scan_layers), so load_parameters_path takes either whatever the run uses.
 """
+
+import re
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from MaxText import layer_stacking
+from MaxText.common_types import STACK_NAMES
+
+_PER_LAYER = re.compile(rf"({'|'.join(STACK_NAMES)})_(\d+)")
 
 
 def is_scanned(params) -> bool:
   """Whether a params tree (arrays, abstract arrays or checkpoint metadata) has scanned layers."""
-  return "layers" in params.get("decoder", {})
+  return any(name in params.get("decoder", {}) for name in STACK_NAMES)
 
 
-def _num_blocks(decoder: dict) -> int:
-  return sum(1 for k in decoder if k.startswith("layers_") and k[len("layers_") :].isdigit())
+def _unrolled_stacks(decoder: dict) -> dict[str, int]:
+  """The stacks of a per-layer decoder tree: name -> blocks (<name>_0 .. <name>_{n-1})."""
+  stacks = {}
+  for key in decoder:
+    match = _PER_LAYER.fullmatch(key)
+    if match:
+      stacks[match.group(1)] = stacks.get(match.group(1), 0) + 1
+  return stacks
+
+
+def _scanned_stacks(decoder: dict, scan_axis: int) -> dict[str, int]:
+  """The stacks of a scanned decoder tree (abstract arrays): name -> blocks, from the stacked axis."""
+  stacks = {}
+  for name in STACK_NAMES:
+    if name in decoder:
+      stacked = jax.tree.leaves(decoder[name])[0]
+      stacks[name] = stacked.shape[min(scan_axis, stacked.ndim - 1)]
+  return stacks
 
 
 def _with_axis(abstract, axis: int, size: int | None):
@@ -36,30 +58,32 @@ def _with_axis(abstract, axis: int, size: int | None):
   return jax.ShapeDtypeStruct(tuple(shape), abstract.dtype, sharding=sharding)
 
 
-def in_layout(abstract_params: dict, scanned: bool, num_blocks: int, scan_axis: int) -> dict:
-  """The run's abstract params (ShapeDtypeStructs with shardings) in the given layer layout."""
+def in_layout(abstract_params: dict, scanned: bool, stacks: dict[str, int], scan_axis: int) -> dict:
+  """The run's abstract params (ShapeDtypeStructs with shardings) in the given layer layout; stacks: name -> blocks."""
   if is_scanned(abstract_params) == scanned:
     return abstract_params
+  decoder = dict(abstract_params["decoder"])
+  for stack, blocks in stacks.items():
+    if scanned:  # per-layer run, scanned checkpoint
+      first = decoder[f"{stack}_0"]
+      decoder = {k: v for k, v in decoder.items() if not (_PER_LAYER.fullmatch(k) and k.startswith(f"{stack}_"))}
+      decoder[stack] = jax.tree.map(lambda a, n=blocks: _with_axis(a, min(scan_axis, a.ndim), n), first)
+    else:  # scanned run, per-layer checkpoint
+      stacked = decoder.pop(stack)
+      for i in range(blocks):
+        decoder[f"{stack}_{i}"] = jax.tree.map(lambda a: _with_axis(a, scan_axis, None), stacked)
+  return dict(abstract_params, decoder=decoder)
+
+
+def _stacks(abstract_params: dict, scan_axis: int) -> dict[str, int]:
   decoder = abstract_params["decoder"]
-  if scanned:  # per-layer run, scanned checkpoint
-    out = {k: v for k, v in decoder.items() if not k.startswith("layers_")}
-    out["layers"] = jax.tree.map(lambda a: _with_axis(a, min(scan_axis, a.ndim), num_blocks), decoder["layers_0"])
-  else:  # scanned run, per-layer checkpoint
-    out = {k: v for k, v in decoder.items() if k != "layers"}
-    for i in range(num_blocks):
-      out[f"layers_{i}"] = jax.tree.map(lambda a: _with_axis(a, scan_axis, None), decoder["layers"])
-  return dict(abstract_params, decoder=out)
+  return _scanned_stacks(decoder, scan_axis) if is_scanned(abstract_params) else _unrolled_stacks(decoder)
 
 
 def saved_layout(saved_params, abstract_params: dict, scan_axis: int) -> dict:
   """The run's abstract params in the layout of a checkpoint (its metadata tree `saved_params`)."""
-  # The run's block count: a checkpoint with other layers then fails check_checkpoint_fits, naming them.
-  if is_scanned(abstract_params):
-    stacked = jax.tree.leaves(abstract_params["decoder"]["layers"])[0]
-    blocks = stacked.shape[min(scan_axis, stacked.ndim - 1)]
-  else:
-    blocks = _num_blocks(abstract_params["decoder"])
-  return in_layout(abstract_params, is_scanned(saved_params), blocks, scan_axis)
+  # The run's block counts: a checkpoint with other layers then fails check_checkpoint_fits, naming them.
+  return in_layout(abstract_params, is_scanned(saved_params), _stacks(abstract_params, scan_axis), scan_axis)
 
 
 def to_run_layout(params: dict, abstract_params: dict, scan_axis: int) -> dict:
@@ -67,12 +91,11 @@ def to_run_layout(params: dict, abstract_params: dict, scan_axis: int) -> dict:
   if is_scanned(params) == is_scanned(abstract_params):
     return params
   shardings = jax.tree.map(lambda a: a.sharding, abstract_params)
+  stacks = _stacks(abstract_params, scan_axis)
 
   def relayout(p):
     if is_scanned(p):
-      decoder = layer_stacking.unstack_layers(p["decoder"], _num_blocks(abstract_params["decoder"]), scan_axis)
-    else:
-      decoder = layer_stacking.stack_layers(p["decoder"], _num_blocks(p["decoder"]), scan_axis)
-    return dict(p, decoder=decoder)
+      return dict(p, decoder=layer_stacking.unstack_all(p["decoder"], stacks, scan_axis))
+    return dict(p, decoder=layer_stacking.stack_all(p["decoder"], stacks, scan_axis))
 
   return jax.jit(relayout, out_shardings=shardings)(params)

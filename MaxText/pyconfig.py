@@ -114,6 +114,7 @@ def _scaled_dims(values, sources):
   _set(values, sources, "num_query_heads", 2**head_scale * values["base_num_query_heads"])
   _set(values, sources, "num_kv_heads", 2**head_scale * values["base_num_kv_heads"])
   _set(values, sources, "mlp_dim", 2**head_scale * values["base_mlp_dim"])
+  _set(values, sources, "moe_mlp_dim", 2**head_scale * values["base_moe_mlp_dim"])
   _set(values, sources, "num_decoder_layers", 2**base * values["base_num_decoder_layers"])
 
 

@@ -17,6 +17,7 @@ from etils import epath
 from jax.sharding import NamedSharding, PartitionSpec
 
 from MaxText import max_logging
+from MaxText.common_types import STACK_NAMES
 from MaxText.errors import UserError
 from MaxText.layers import layer_names
 
@@ -25,7 +26,7 @@ SCALE = "kernel_scale"
 
 def _contracting_axes(keys: tuple[str, ...], shape: tuple[int, ...], config) -> tuple[int, ...] | None:
   """The contracting axes of the kernel at `keys` when it is one that int8 quantizes, else None."""
-  in_layers = len(keys) > 3 and keys[0] == "decoder" and (keys[1] == "layers" or keys[1].startswith("layers_"))
+  in_layers = len(keys) > 3 and keys[0] == "decoder" and keys[1].rstrip("_0123456789") in STACK_NAMES
   if keys[-1] != "kernel" or not in_layers or layer_names.layer_type(keys[-2]) is None:
     return None  # outside the decoder layers, or the MoE router
   count = 2 if keys[-2] == "out" else 1  # attention's out kernel contracts (heads, head_dim)

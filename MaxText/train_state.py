@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import struct
 from flax.training import train_state
 
-from MaxText import memory_check, optimizers, sharding
+from MaxText import memory_check, optimizers, routing_bias, sharding
 from MaxText.diagnostics import numerics_taps
 from MaxText.layers import quantizations
 from MaxText.layers.linears import Gemm
@@ -93,6 +93,8 @@ def build(
   """
   model = create_model(config)
   tx = optimizers.create_optimizer(config, optimizers.create_learning_rate_schedule(config))
+  if routing_bias.present(config):
+    tx = routing_bias.keep_out_of_optimizer(tx)
   abstract_state, state_shardings = get_abstract_state(model, tx, config, mesh)
   if check_memory:
     check_state_fits(abstract_state, params_only, memory_limit_bytes)

@@ -14,9 +14,9 @@ import optax
 from flax import struct
 from jax.experimental import checkify
 
-from MaxText import sharding
+from MaxText import routing_bias, sharding
 from MaxText.diagnostics import nonfinite, numerics_stats, numerics_taps
-from MaxText.layers import context_parallel, moe, quantizations
+from MaxText.layers import context_parallel, models, quantizations
 from MaxText.optimizers import create_learning_rate_schedule
 
 
@@ -58,6 +58,7 @@ class Gradients(NamedTuple):
   params: Any  # the summed loss's gradient
   reductions: dict | None = None  # the numerics statistics' raw reductions (numerics_stats.combine adds them)
   fp8_meta: Any = None  # the new fp8 state (microbatches combine by maximum)
+  expert_loads: dict | None = None  # routed_bias: the routers' per-expert loads (routing_bias.loads), summed
 
 
 NO_EXTRAS = StepExtras()
@@ -66,9 +67,9 @@ NO_EXTRAS = StepExtras()
 def loss_fn(model, config, params, batch, dropout_rng, train: bool, extras: StepExtras = NO_EXTRAS):
   """The summed token cross-entropy to differentiate, and its LossAux.
 
-  In training the loss also holds load_balance_loss_weight x the MoE load-balancing loss x the real tokens:
-  dividing the sums by all tokens, as for the cross-entropy, then averages it over microbatches. Eval
-  (train=False) is cross-entropy only.
+  In training the loss also holds load_balance_loss_weight x the family's MoE balance loss (DecoderFamily.
+  balance_loss) x the real tokens: dividing the sums by all tokens, as for the cross-entropy, then averages it over
+  microbatches. Eval (train=False) is cross-entropy only.
   """
   batch = context_parallel.reorder(context_parallel.from_config(config), batch)  # the layout attention expects
   logits, sown = model.apply(
@@ -85,7 +86,8 @@ def loss_fn(model, config, params, batch, dropout_rng, train: bool, extras: Step
   total_weights = jnp.sum(weights)
   moe_lb = jnp.zeros((), jnp.float32)
   if train:
-    moe_lb = config.load_balance_loss_weight * moe.load_balancing_loss(sown, config.num_experts) * total_weights
+    balance_loss = models.DECODER_BLOCKS[config.decoder_block].balance_loss
+    moe_lb = config.load_balance_loss_weight * balance_loss(sown, config) * total_weights
   return jnp.sum(xent * weights) + moe_lb, LossAux(total_weights, moe_lb, sown)
 
 
@@ -95,7 +97,8 @@ def _microbatch_gradients(model, config, params, extras: StepExtras, batch, drop
     params, extras
   )
   reductions = None if extras.plan is None else extras.plan.reductions(aux.sown, extras_grads.numerics)
-  return Gradients(loss, aux.weights, aux.moe_lb_loss, grads, reductions, extras_grads.fp8_meta)
+  loads = routing_bias.loads(aux.sown) if config.routed_bias else None
+  return Gradients(loss, aux.weights, aux.moe_lb_loss, grads, reductions, extras_grads.fp8_meta, loads)
 
 
 def _add(a: Gradients, b: Gradients) -> Gradients:
@@ -107,6 +110,7 @@ def _add(a: Gradients, b: Gradients) -> Gradients:
     jax.tree.map(jnp.add, a.params, b.params),
     None if a.reductions is None else numerics_stats.combine(a.reductions, b.reductions),
     None if a.fp8_meta is None else jax.tree.map(jnp.maximum, a.fp8_meta, b.fp8_meta),
+    None if a.expert_loads is None else jax.tree.map(jnp.add, a.expert_loads, b.expert_loads),
   )
 
 
@@ -136,6 +140,7 @@ def summed_gradients(model, config, params, extras: StepExtras, batch, dropout_r
     jax.tree.map(jnp.zeros_like, params),
     None if extras.plan is None else extras.plan.identity(extras.numerics),
     None if extras.fp8_meta is None else jax.tree.map(lambda m: jnp.full_like(m, -jnp.inf), extras.fp8_meta),
+    routing_bias.zero_loads(params, config.param_scan_axis) if config.routed_bias else None,
   )
   total, _ = jax.lax.scan(accumulate, nothing, (jax.tree.map(to_microbatches, batch), jnp.arange(steps)))
   return total
@@ -188,6 +193,9 @@ def _update(config, state, grads, summed: Gradients):
 
   def updated():
     new_state = state.apply_gradients(grads=grads)
+    if summed.expert_loads is not None:  # routed_bias: outside the optimizer, after its update
+      rate, axis = config.routed_bias_update_rate, config.param_scan_axis
+      new_state = new_state.replace(params=routing_bias.update(new_state.params, summed.expert_loads, rate, axis))
     return new_state if summed.fp8_meta is None else new_state.replace(fp8_meta=summed.fp8_meta)
 
   if config.nonfinite_action == "none":

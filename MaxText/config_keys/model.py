@@ -15,7 +15,9 @@ from MaxText.config_keys import NON_NEGATIVE, POSITIVE, Key, On, Range
 
 _FP8 = On("quantization", "fp8")
 _KV_CACHE = On("quantize_kvcache", True)
-_MOE = On("decoder_block", "mixtral", "qwen3_moe")  # the decoder blocks with a mixture of experts
+_MOE = On("decoder_block", "mixtral", "qwen3_moe", "deepseek")  # the decoder blocks with a mixture of experts
+_DEEPSEEK = On("decoder_block", "deepseek")
+_YARN = On("rope_type", "yarn")
 
 SECTIONS = {
   "Model": {
@@ -73,6 +75,46 @@ SECTIONS = {
       range=NON_NEGATIVE,
       acts_with=_MOE,
     ),
+    "first_num_dense_layers": Key(
+      "deepseek: the first layers, with a dense MLP (base_mlp_dim); the rest have experts.",
+      range=Range(0),
+      acts_with=_DEEPSEEK,
+    ),
+    "base_moe_mlp_dim": Key("deepseek: each expert's MLP width.", range=POSITIVE, acts_with=_DEEPSEEK),
+    "shared_experts": Key(
+      "deepseek: experts that every token goes to (one MLP of shared x base_moe_mlp_dim); 0: none.",
+      range=Range(0),
+      acts_with=_DEEPSEEK,
+    ),
+    "n_routing_groups": Key(
+      "deepseek: groups of experts (a divisor of num_experts); a token searches its best topk_routing_group.",
+      range=POSITIVE,
+      acts_with=_DEEPSEEK,
+    ),
+    "topk_routing_group": Key(
+      "deepseek: groups (by their 2 best scores) a token chooses its experts from.", range=POSITIVE, acts_with=_DEEPSEEK
+    ),
+    "routed_scaling_factor": Key("deepseek: multiplies the routed experts' weights.", range=POSITIVE, acts_with=_DEEPSEEK),
+    "routed_bias": Key(
+      "deepseek: a per-expert bias that shifts only which experts win; moved towards equal loads, not trained.",
+      acts_with=_DEEPSEEK,
+    ),
+    "routed_bias_update_rate": Key(
+      "deepseek, routed_bias: the bias moves by this after each step (up if underloaded, down if over).",
+      range=NON_NEGATIVE,
+      acts_with=_DEEPSEEK,
+    ),
+    "q_lora_rank": Key(
+      "deepseek: the query's low-rank bottleneck; 0: projected directly.", range=Range(0), acts_with=_DEEPSEEK
+    ),
+    "kv_lora_rank": Key(
+      "deepseek: the key/value latent's width (what the KV cache holds).", range=POSITIVE, acts_with=_DEEPSEEK
+    ),
+    "qk_nope_head_dim": Key("deepseek: the part of each query/key head without RoPE.", range=POSITIVE, acts_with=_DEEPSEEK),
+    "qk_rope_head_dim": Key(
+      "deepseek: the part of each query/key head with RoPE; even.", range=POSITIVE, acts_with=_DEEPSEEK
+    ),
+    "v_head_dim": Key("deepseek: each value head's width.", range=POSITIVE, acts_with=_DEEPSEEK),
     "dropout_rate": Key(
       "Dropout rate of the decoder layers.", range=Range(0, 1, high_open=True), acts_with=On("enable_dropout", True)
     ),
@@ -113,6 +155,14 @@ SECTIONS = {
       range=Range(0, low_open=True, also=(-1,), says="-1 (rope_max_timescale) or a positive RoPE base"),
       acts_with=On("decoder_block", "gemma3"),
     ),
+    "rope_type": Key("default | yarn (YaRN RoPE scaling; deepseek's attention only).", choices=("default", "yarn")),
+    "rope_factor": Key("YaRN: the context extension factor.", range=Range(1), acts_with=_YARN),
+    "original_max_position_embeddings": Key("YaRN: the original model's context length.", range=POSITIVE, acts_with=_YARN),
+    "beta_fast": Key("YaRN: wavelengths fitting more often than this are kept.", range=POSITIVE, acts_with=_YARN),
+    "beta_slow": Key(
+      "YaRN: wavelengths fitting less often than this are divided by rope_factor.", range=POSITIVE, acts_with=_YARN
+    ),
+    "mscale": Key("YaRN: logits grow by (0.1 * mscale * ln(rope_factor) + 1)^2.", range=NON_NEGATIVE, acts_with=_YARN),
     "sliding_window_size": Key(
       "> 0: a query sees only itself and the size - 1 keys before it (Mistral, Gemma 2 and 3 local layers).",
       range=Range(0, says=">= 0 (0: no window)"),

@@ -36,8 +36,9 @@ SECTIONS = {
       "activations, weights and gradients (docs/diagnostics.md)",
     ),
     "attention_type": Key(
-      "Upstream's per-layer attention kind; sliding windows are set by sliding_window_size.",
-      refused="sliding windows are set by sliding_window_size (Mistral, and Gemma 2's local layers)",
+      "Upstream's per-layer attention kind; sliding windows: sliding_window_size; mla: decoder_block=deepseek.",
+      refused="sliding windows are set by sliding_window_size (Mistral, Gemma 2 and 3's local layers), and "
+      "attention_type=mla goes with decoder_block=deepseek",
     ),
     "prefill_cache_axis_order": Key("Upstream's KV cache layout for prefill; fixed here.", refused=_CACHE_LAYOUT),
     "ar_cache_axis_order": Key("Upstream's KV cache layout for decoding; fixed here.", refused=_CACHE_LAYOUT),

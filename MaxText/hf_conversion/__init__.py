@@ -4,7 +4,7 @@ Entry point: MaxText/convert_checkpoint.py.
 """
 
 from MaxText.errors import UserError
-from MaxText.hf_conversion import gemma, gemma2, gemma3, llama, mistral, mixtral, qwen3
+from MaxText.hf_conversion import deepseek, gemma, gemma2, gemma3, llama, mistral, mixtral, qwen3
 
 FAMILIES = (
   llama.FAMILY,
@@ -15,6 +15,7 @@ FAMILIES = (
   gemma3.FAMILY,
   qwen3.FAMILY,
   qwen3.MOE_FAMILY,
+  deepseek.FAMILY,
 )
 
 

@@ -120,7 +120,7 @@ def to_maxtext(hf_path: str, output_dir: str) -> str:
   with _Progress(total, len(tensors), "HF -> MaxText") as bar:
     for name, _, op, array, s in tensors:
       store = stores[array.keys]
-      value = tables.to_maxtext(checkpoint.get(name), op, config.head_dim)
+      value = tables.to_maxtext(checkpoint.get(name), op, array.slice_shape)
       store[s.index].write(np.ascontiguousarray(value, dtype=store.dtype.numpy_dtype)).result()
       bar.update(value.nbytes)
   writer.finish()

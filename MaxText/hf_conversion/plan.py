@@ -2,7 +2,8 @@
 
 The same plan serves both directions; the MaxText arrays (key path -> shape) come from the model (HF -> MaxText)
 or from the checkpoint (MaxText -> HF), in either layout: scanned (`decoder/layers`, layers stacked on
-param_scan_axis) or per-layer (`decoder/layers_<i>`).
+param_scan_axis) or per-layer (`decoder/layers_<i>`). A family with several stacks (DeepSeek's dense_layers, then
+moe_layers) numbers HF layers on from one stack to the next.
 """
 
 import dataclasses
@@ -10,10 +11,11 @@ import re
 
 import numpy as np
 
+from MaxText.common_types import STACK_NAMES
 from MaxText.errors import UserError
 from MaxText.hf_conversion import tables
 
-_PER_LAYER = re.compile(r"layers_(\d+)$")
+_PER_LAYER = re.compile(rf"({'|'.join(STACK_NAMES)})_(\d+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,15 +41,37 @@ class Array:
     return tuple(n for axis, n in enumerate(self.shape) if axis not in self.stacked_axes)
 
 
+def _stack_of(keys: tuple) -> tuple[str | None, int | None]:
+  """(the stack a param belongs to, its block for a per-layer param) or (None, None) outside the stacks."""
+  if len(keys) < 3 or keys[0] != "decoder":
+    return None, None
+  if keys[1] in STACK_NAMES:
+    return keys[1], None
+  match = _PER_LAYER.fullmatch(keys[1])
+  return (match.group(1), int(match.group(2))) if match else (None, None)
+
+
 def _rule_for(keys: tuple, family, scan_axis: int):
-  """(rule, layer index or None, layer axis or None) of a MaxText param."""
-  layer_rules = {p.maxtext: p for p in family.layer_params}
-  if len(keys) > 2 and keys[0] == "decoder" and keys[1] == "layers":
-    return layer_rules.get("/".join(keys[2:])), None, scan_axis
-  match = _PER_LAYER.match(keys[1]) if len(keys) > 2 and keys[0] == "decoder" else None
-  if match:
-    return layer_rules.get("/".join(keys[2:])), int(match.group(1)), None
-  return {p.maxtext: p for p in family.global_params}.get("/".join(keys)), None, None
+  """(rule, stack or None, block index or None, layer axis or None) of a MaxText param."""
+  stack, block = _stack_of(keys)
+  if stack is None or stack not in family.stacks:
+    return {p.maxtext: p for p in family.global_params}.get("/".join(keys)), None, None, None
+  rule = {p.maxtext: p for p in family.layer_table(stack)}.get("/".join(keys[2:]))
+  return rule, stack, block, (scan_axis if block is None else None)
+
+
+def _first_blocks(family, shapes: dict, scan_axis: int) -> dict[str, int]:
+  """Each stack's first block, counted over the stacks before it: stack -> offset."""
+  blocks = {}
+  for keys, shape in shapes.items():
+    stack, block = _stack_of(keys)
+    if stack is not None:
+      count = shape[scan_axis] if block is None else block + 1
+      blocks[stack] = max(blocks.get(stack, 0), count)
+  offsets, first = {}, 0
+  for stack in family.stacks:
+    offsets[stack], first = first, first + blocks.get(stack, 0)
+  return offsets
 
 
 def plan(family, shapes: dict, scan_axis: int, tied: bool, where: str) -> list[Array]:
@@ -60,9 +84,11 @@ def plan(family, shapes: dict, scan_axis: int, tied: bool, where: str) -> list[A
     tied: logits_via_embedding (no separate logits kernel).
     where: what the shapes describe, for messages.
   """
-  arrays, used = [], set()
+  arrays, used, stacks = [], set(), set()
+  offsets = _first_blocks(family, shapes, scan_axis)
   for keys, shape in shapes.items():
-    rule, layer, layer_axis = _rule_for(keys, family, scan_axis)
+    rule, stack, layer, layer_axis = _rule_for(keys, family, scan_axis)
+    stacks.add(stack)
     if rule is None:
       raise UserError(f"{where} has params/{'/'.join(keys)}, which the {family.name} conversion table does not know")
     used.add(rule)
@@ -83,10 +109,12 @@ def plan(family, shapes: dict, scan_axis: int, tied: bool, where: str) -> list[A
           index[layer_axis] = i
         if expert_axis is not None:
           index[expert_axis] = e
-        hf_layer = None if i is None else i * family.layers_per_block + rule.layer_offset
+        hf_layer = None if i is None else (offsets[stack] + i) * family.layers_per_block + rule.layer_offset
         slices.append(Slice(tuple(index), rule.hf.format(i=hf_layer, e=e), rule.op))
     arrays.append(Array(tuple(keys), tuple(shape), tuple(sorted(stacked)), slices))
-  wanted = {p for p in family.layer_params + family.global_params if not (tied and p.untied_only)}
+  tables_used = [family.layer_table(stack) for stack in family.stacks if stack in stacks]
+  wanted = {p for table in [*tables_used, family.global_params] for p in table}
+  wanted = {p for p in wanted if not (p.optional or (tied and p.untied_only))}
   missing = sorted(p.maxtext for p in wanted - used)
   if missing:
     raise UserError(f"{where} lacks {', '.join(missing)} of the {family.name} conversion table (another model or layout?)")

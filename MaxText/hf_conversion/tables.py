@@ -29,6 +29,7 @@ class Param:
     experts: the MaxText param stacks the experts on its axis 0, one HF tensor per expert.
     untied_only: the param exists only without tied embeddings (logits_via_embedding=false).
     layer_offset: the HF layer of a block's param is block * Family.layers_per_block + layer_offset.
+    optional: the model has the param in some configurations only (DeepSeek's query: low-rank or direct).
   """
 
   maxtext: str
@@ -37,21 +38,20 @@ class Param:
   experts: bool = False
   untied_only: bool = False
   layer_offset: int = 0
+  optional: bool = False
 
   def __post_init__(self):
     if self.op not in OPS:
       raise ValueError(f"op={self.op} is not one of {OPS}")
 
 
-def to_maxtext(x: np.ndarray, op: str, head_dim: int) -> np.ndarray:
-  """One HF tensor (one layer, one expert) in MaxText's layout."""
+def to_maxtext(x: np.ndarray, op: str, shape: tuple) -> np.ndarray:
+  """One HF tensor (one layer, one expert) in MaxText's layout, of the MaxText slice's `shape`."""
   if op == "identity":
     return x
   if op == "transpose":
     return x.T
-  if op == "heads_in":
-    return x.T.reshape(x.shape[1], -1, head_dim)  # (E, N, D)
-  return x.T.reshape(-1, head_dim, x.shape[0])  # heads_out: (N, D, E)
+  return x.T.reshape(shape)  # heads_in (N*D, E) -> (E, N, D); heads_out (E, N*D) -> (N, D, E)
 
 
 def to_hf(x: np.ndarray, op: str) -> np.ndarray:
@@ -89,6 +89,8 @@ class Family:
     decoder_block: the MaxText decoder_block it maps to.
     global_params: params outside the decoder layers.
     layer_params: params of one decoder layer.
+    stack_params: for a family whose decoder has several stacks (common_types.SPLIT_STACKS), the params of one
+      layer of each, by stack name in the order they run; None: layer_params is the one stack's (`layers`).
     config_to_maxtext: HF config.json dict -> MaxText config keys (raises UserError on an unsupported variant).
     config_to_hf: MaxText config (attribute access) -> HF config.json keys.
     hf_tensor_name: None, or (config.json dict) -> a function from a checkpoint's tensor names to the names in
@@ -105,6 +107,15 @@ class Family:
   config_to_maxtext: object
   config_to_hf: object
   hf_tensor_name: object = None
+  stack_params: dict | None = None
+
+  def layer_table(self, stack: str) -> tuple:
+    """The params of one layer of the stack named `stack`."""
+    return self.stack_params[stack] if self.stack_params else self.layer_params
+
+  @property
+  def stacks(self) -> tuple:
+    return tuple(self.stack_params) if self.stack_params else ("layers",)
 
   @property
   def layers_per_block(self) -> int:

@@ -17,7 +17,7 @@ from MaxText.layers import context_parallel
 from MaxText.layers.attentions import Attention
 from MaxText.layers.embeddings import LinearRopeScaling, Llama3RopeScaling
 from MaxText.layers.linears import Gemm, MlpBlock
-from MaxText.layers.moe import MoeBlock
+from MaxText.layers.moe import MoeBlock, load_balancing_loss
 from MaxText.layers.normalizations import LayerNorm, RMSNorm
 
 
@@ -125,6 +125,10 @@ class DecoderFamily:
       decoder layers, as common_types.DECODER_LAYERS_PER_BLOCK says.
     final_norm: builds the norm after the last layer, called (config, name).
     scale_embedding: multiply the token embeddings by sqrt(emb_dim) in the activation dtype (Gemma).
+    stack_layers: the block of each stack, by name, for a family with several (common_types.SPLIT_STACKS; None:
+      `layer` is the one stack's, `layers`).
+    balance_loss: (sown intermediates, config) -> the MoE balance loss that load_balance_loss_weight weighs (0.0
+      without experts): Switch/Mixtral's by default.
     takes_layer_index: the block is called with its index in the stack after `deterministic` (an int unrolled, a
       traced int32 scalar under scan_layers), for layers whose computation, not params, depends on where they are
       (Gemma 3's local and global layers).
@@ -133,4 +137,10 @@ class DecoderFamily:
   layer: type[nn.Module]
   final_norm: Callable = rms_norm
   scale_embedding: bool = False
+  stack_layers: dict | None = None
+  balance_loss: Callable = lambda sown, config: load_balancing_loss(sown, config.num_experts)
   takes_layer_index: bool = False
+
+  def block(self, stack: str) -> type[nn.Module]:
+    """The block of the stack named `stack` (models.layer_stacks)."""
+    return self.stack_layers[stack] if self.stack_layers else self.layer

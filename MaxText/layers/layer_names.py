@@ -10,6 +10,8 @@ Gemma 2 scans pairs of layers: its names read decoder.layers.<pair>.local... and
 import dataclasses
 import re
 
+from MaxText.common_types import STACK_NAMES
+
 # The dense layers' types that `layer_types` selects, from the module's own name (attention: query, key, value,
 # qkv_proj, out; MLP: wi or wi_<i>, wo). Others (the MoE router `gate`, `logits_dense`) have no type.
 LAYER_TYPES = ("qkv", "attention_out", "fc1", "fc2")
@@ -71,7 +73,7 @@ def scan_axis(keys: tuple[str, ...], leaf, config) -> int | None:
 
   layer_stacking's rule: param_scan_axis, or 0 for a vector (a norm's scale stacks to (layers, dim)).
   """
-  if not (config.scan_layers and keys[:2] == ("decoder", "layers")):
+  if not (config.scan_layers and len(keys) > 1 and keys[0] == "decoder" and keys[1] in STACK_NAMES):
     return None
   return config.param_scan_axis if len(leaf.shape) > 1 else 0
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText import common_types
-from MaxText.layers import block_parts, gemma, gemma2, gemma3, gpt3, linears, quantizations
+from MaxText.layers import block_parts, deepseek, gemma, gemma2, gemma3, gpt3, linears, quantizations
 from MaxText.layers.attention_masks import soft_cap
 from MaxText.layers.block_parts import DecoderFamily
 from MaxText.layers.default_block import DecoderLayer
@@ -31,6 +31,7 @@ DECODER_BLOCKS = {
   "gpt3": gpt3.FAMILY,
   "qwen3": DecoderFamily(Qwen3DecoderLayer),
   "qwen3_moe": DecoderFamily(Qwen3MoeDecoderLayer),
+  "deepseek": deepseek.FAMILY,
 }
 
 # Collections that the scanned layers stack on axis 0 besides their params: sown statistics (e.g. MoE routing, for
@@ -76,26 +77,31 @@ def num_blocks(config) -> int:
   return common_types.num_blocks(config.decoder_block, config.num_decoder_layers)
 
 
+def layer_stacks(config) -> dict[str, int]:
+  """The decoder's stacks of blocks, in order: name -> blocks (one, `layers`, but for common_types.SPLIT_STACKS)."""
+  return common_types.layer_stacks(config.decoder_block, config.num_decoder_layers, config.first_num_dense_layers)
+
+
 def logits_dot_dtype(cfg) -> str:
   """The dtype of the logits matmul, tied (Embed.attend) or untied (logits_dense)."""
   return "float32" if cfg.logits_dot_in_fp32 else cfg.dtype
 
 
 @functools.cache
-def _stacked(family: DecoderFamily, scanned: bool):
+def _stacked(block_cls, takes_layer_index: bool, scanned: bool):
   """The block as the stack runs it: its input constrained to the activation sharding and named
   decoder_layer_input (what remat keeps at least), and with nn.scan's (carry, out) signature when scanned.
   The stack gives every block its index; only a family that takes_layer_index gets it. Params keep the block's own
   names."""
 
-  class Stacked(family.layer):
+  class Stacked(block_cls):
     def __call__(self, x, positions, segment_ids, deterministic, layer_index):
       x = nn.with_logical_constraint(x, ("activation_batch", "activation_length", "activation_embed"))
-      args = (positions, segment_ids, deterministic) + ((layer_index,) if family.takes_layer_index else ())
+      args = (positions, segment_ids, deterministic) + ((layer_index,) if takes_layer_index else ())
       y = super().__call__(checkpoint_name(x, "decoder_layer_input"), *args)  # (B, T, E)
       return (y, None) if scanned else y
 
-  Stacked.__name__ = family.layer.__name__
+  Stacked.__name__ = block_cls.__name__
   return Stacked
 
 
@@ -106,9 +112,10 @@ class Decoder(nn.Module):
   shared_embedding: nn.Module
   gemm: Gemm
 
-  def _block_stack(self):
+  def _block_stack(self, stack: str):
     cfg = self.config
-    block = _stacked(DECODER_BLOCKS[cfg.decoder_block], cfg.scan_layers)
+    family = DECODER_BLOCKS[cfg.decoder_block]
+    block = _stacked(family.block(stack), family.takes_layer_index, cfg.scan_layers)
     if cfg.remat_policy != "none":
       # Args are (self, x, positions, segment_ids, deterministic, layer_index): `deterministic` is a Python bool.
       block = nn.remat(block, prevent_cse=not cfg.scan_layers, policy=REMAT_POLICIES[cfg.remat_policy], static_argnums=(4,))
@@ -142,28 +149,36 @@ class Decoder(nn.Module):
     return y
 
   def _layers(self, y, positions, segment_ids, deterministic: bool):
-    """The blocks: scanned as decoder/layers (params stacked on param_scan_axis), or unrolled as layers_i."""
+    """Each stack of blocks in turn (layer_stacks); a block's index counts from the first block of the first."""
+    offset = 0
+    for stack, blocks in layer_stacks(self.config).items():
+      y = self._stack(stack, blocks, offset, y, positions, segment_ids, deterministic)
+      offset += blocks
+    return y
+
+  def _stack(self, stack: str, blocks: int, offset: int, y, positions, segment_ids, deterministic: bool):
+    """One stack: scanned as decoder/<stack> (params stacked on param_scan_axis), or unrolled as <stack>_i."""
     cfg = self.config
-    block = self._block_stack()
+    block = self._block_stack(stack)
     if not cfg.scan_layers:
-      for i in range(num_blocks(cfg)):
-        y = block(config=cfg, gemm=self.gemm, name=f"layers_{i}")(y, positions, segment_ids, deterministic, i)
+      for i in range(blocks):
+        y = block(config=cfg, gemm=self.gemm, name=f"{stack}_{i}")(y, positions, segment_ids, deterministic, offset + i)
       return y
-    stack = nn.scan(
+    scanned = nn.scan(
       block,
       variable_axes={"params": cfg.param_scan_axis, **STACKED_COLLECTIONS},
       split_rngs={"params": True, "dropout": True},
       in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0),
-      length=num_blocks(cfg),
+      length=blocks,
       metadata_params={nn.PARTITION_NAME: "layers"},
     )
     tables = None
-    if not self.is_initializing():
+    if not self.is_initializing() and stack == "layers":  # per-layer recipes: the one-stack families
       tables = quantizations.layer_tables(self.gemm.quant, self.variables["params"]["layers"])
     if tables is not None:  # each layer's quantization recipe, which its dense modules switch on
-      stack = nn.map_variables(stack, quantizations.TABLE_COLLECTION, trans_in_fn=lambda _: tables, init=False)
-    indices = jnp.arange(num_blocks(cfg), dtype=jnp.int32)
-    y, _ = stack(config=cfg, gemm=self.gemm, name="layers")(y, positions, segment_ids, deterministic, indices)
+      scanned = nn.map_variables(scanned, quantizations.TABLE_COLLECTION, trans_in_fn=lambda _: tables, init=False)
+    indices = offset + jnp.arange(blocks, dtype=jnp.int32)
+    y, _ = scanned(config=cfg, gemm=self.gemm, name=stack)(y, positions, segment_ids, deterministic, indices)
     return y
 
   def _logits(self, y):

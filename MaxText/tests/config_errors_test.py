@@ -18,7 +18,11 @@ CASES = [
   (["mlp_activations=silu"], {}, "mlp_activations=silu is not a list"),
   (["global_parameter_scale=3"], {}, "global_parameter_scale=3 must be a power of 2"),
   (["base_num_kv_heads=3"], {}, "base_num_query_heads=16 must be a multiple of base_num_kv_heads=3"),
-  (["model_name=gpt9"], {}, "model_name=gpt9 is not a known model; valid: default, gemma-2b, gemma-7b"),
+  (
+    ["model_name=gpt9"],
+    {},
+    "model_name=gpt9 is not a known model; valid: default, deepseek3-671b, deepseek3-test, gemma-2b",
+  ),
   (["decoder_block=transformerxl"], {}, "decoder_block=transformerxl is not valid; choose one of: default, llama2"),
   (["attention=magic"], {}, "attention=magic is not valid"),
   (["dtype=float8"], {}, "dtype=float8 is not valid; choose one of: float32, bfloat16, float16"),

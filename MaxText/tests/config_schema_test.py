@@ -60,7 +60,12 @@ def test_the_switches_are_those_the_companion_warnings_named():
     "use_vertex_tensorboard=true": ["vertex_tensorboard_project", "vertex_tensorboard_region"],
     "quantization=fp8": ["fp8_scaling", "fp8_amax_history_length"],
     "quantize_kvcache=true": ["kv_quant_axis", "kv_quant_dtype"],
-    "decoder_block=mixtral|qwen3_moe": ["num_experts", "num_experts_per_tok", "capacity_factor", "load_balance_loss_weight"],
+    "decoder_block=mixtral|qwen3_moe|deepseek": [
+      "num_experts",
+      "num_experts_per_tok",
+      "capacity_factor",
+      "load_balance_loss_weight",
+    ],
     "enable_dropout=true": ["dropout_rate"],
     "enable_checkpointing=true": ["async_checkpointing", "checkpoint_period"],
     "quantization=intmp": ["quant_cfg_path"],
@@ -70,6 +75,22 @@ def test_the_switches_are_those_the_companion_warnings_named():
     "enable_goodput_recording=true": ["monitor_goodput", "goodput_upload_interval_seconds"],
     "enable_emergency_checkpoint=true": ["local_checkpoint_directory", "local_checkpoint_period"],
     "decoder_block=gemma3": ["local_rope_max_timescale"],
+    "decoder_block=deepseek": [
+      "first_num_dense_layers",
+      "base_moe_mlp_dim",
+      "shared_experts",
+      "n_routing_groups",
+      "topk_routing_group",
+      "routed_scaling_factor",
+      "routed_bias",
+      "routed_bias_update_rate",
+      "q_lora_rank",
+      "kv_lora_rank",
+      "qk_nope_head_dim",
+      "qk_rope_head_dim",
+      "v_head_dim",
+    ],
+    "rope_type=yarn": ["rope_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale"],
   }
 
 

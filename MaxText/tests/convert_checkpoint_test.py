@@ -57,6 +57,38 @@ FAMILIES = {
     },
   ),
   "qwen3": ("qwen3", {}),
+  # 3 layers: 1 dense, 2 MoE (8 experts in 4 groups, 2 of them searched, k 2, 1 shared), YaRN, q through q_lora_rank
+  "deepseek": (
+    "deepseek_v3",
+    {
+      "num_hidden_layers": 3,
+      "first_k_dense_replace": 1,
+      "n_routed_experts": 8,
+      "num_experts_per_tok": 2,
+      "n_group": 4,
+      "topk_group": 2,
+      "n_shared_experts": 1,
+      "moe_intermediate_size": 24,
+      "routed_scaling_factor": 2.5,
+      "q_lora_rank": 32,
+      "kv_lora_rank": 16,
+      "qk_nope_head_dim": 16,
+      "qk_rope_head_dim": 8,
+      "head_dim": 8,  # transformers' rotary embedding's width: qk_rope_head_dim
+      "num_key_value_heads": 4,  # as many as query heads: latent attention has none of its own
+      "v_head_dim": 12,
+      "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 16,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+      },
+    },
+  ),
   "qwen3_moe": (
     "qwen3_moe",
     {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "norm_topk_prob": True},
@@ -74,6 +106,9 @@ def _randomize(model, seed: int) -> None:
         p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
       else:
         p.copy_(torch.randn(p.shape, generator=gen) / np.sqrt(p.shape[-1]))
+    for name, b in sorted(model.named_buffers()):
+      if name.endswith("e_score_correction_bias"):  # DeepSeek's routing bias: a buffer, zeros unless set
+        b.copy_(0.2 * torch.randn(b.shape, generator=gen))
 
 
 def build_hf_model(directory: str, family: str, dtype=torch.float32, **save_kwargs) -> str:

@@ -11,6 +11,7 @@ import pytest
 
 from MaxText import decode, decoding, mesh, sharding
 from MaxText.errors import UserError
+from MaxText.tests.deepseek_test import DEEPSEEK
 from MaxText.tests.families_test import FAMILIES
 from MaxText.tests.helpers import (
   BASE_YML,
@@ -28,7 +29,9 @@ ATOL = 1e-5
 PROMPT = [1, 5, 9, 200, 7, 31]  # 6 tokens, padded to max_prefill_predict_length=8; 16 more are generated
 DECODE_KEYS = ["max_target_length=24", "max_prefill_predict_length=8", "per_device_batch_size=2", "remat_policy=none"]
 _MOE_ARGS = ["num_experts=4", "num_experts_per_tok=2"]
-FAMILY_ARGS = dict(FAMILIES, default=[], mixtral=_MOE_ARGS, qwen3_moe=[*FAMILIES["qwen3"], *_MOE_ARGS])
+FAMILY_ARGS = dict(
+  FAMILIES, default=[], mixtral=_MOE_ARGS, qwen3_moe=[*FAMILIES["qwen3"], *_MOE_ARGS], deepseek=DEEPSEEK[1:]
+)
 _OUTPUT_LINE = re.compile(r"^Input `(.*)` -> `(.*)`$", re.M)
 
 
@@ -58,7 +61,7 @@ def _check_cache_equals_recompute(config):
   return np.abs(result.logits - full).max()
 
 
-_QUICK = ("llama2", "mistral", "gemma", "gemma2", "gemma3")
+_QUICK = ("llama2", "mistral", "gemma", "gemma2", "gemma3", "deepseek")
 
 
 @pytest.mark.parametrize(

@@ -34,6 +34,8 @@ PUBLISHED = {
   "gemma3-4b": (3_884_000_000, "Gemma 3 Technical Report, Table 1: 675M + 3,209M (vision encoder 417M apart)"),
   "gemma3-12b": (11_771_000_000, "Gemma 3 Technical Report, Table 1: 1,012M + 10,759M (vision encoder 417M apart)"),
   "gemma3-27b": (27_016_000_000, "Gemma 3 Technical Report, Table 1: 1,416M + 25,600M (vision encoder 417M apart)"),
+  # Without the multi-token prediction module (the Hugging Face checkpoint's 685B include its 14B).
+  "deepseek3-671b": (671_000_000_000, "DeepSeek-V3 Technical Report: 671B total parameters, 37B activated"),
   "gpt3-175b": (175_000_000_000, "Brown et al. 2020, Language Models are Few-Shot Learners, Table 2.1 (175.0B)"),
   "qwen3-0.6b": (596_049_920, "Qwen/Qwen3-0.6B"),
   "qwen3-8b": (8_190_735_360, "Qwen/Qwen3-8B"),
@@ -51,11 +53,22 @@ def _gpt3_count(emb, layers, mlp, vocab, positions):
   return layers * per_layer + (vocab + positions) * emb + 2 * emb
 
 
+def _deepseek_count(emb, heads, mlp, moe_mlp, layers, dense, experts, shared, q_lora, kv_lora, nope, rope, v, vocab):
+  """DeepSeek-V3's architecture in closed form: latent attention (q and kv low-rank projections with their norms),
+  two norms per layer, dense gated MLPs, then routed experts (router kernel and selection bias) and shared experts;
+  untied embedding and logits, final norm."""
+  attention = emb * q_lora + q_lora + q_lora * heads * (nope + rope) + emb * (kv_lora + rope) + kv_lora
+  attention += kv_lora * heads * (nope + v) + heads * v * emb
+  moe = emb * experts + experts + (experts + shared) * 3 * emb * moe_mlp
+  return layers * (attention + 2 * emb) + dense * 3 * emb * mlp + (layers - dense) * moe + 2 * vocab * emb + emb
+
+
 # Presets without a published count: (closed-form count, why).
 UNPUBLISHED = {
   "gpt3-52k": (_gpt3_count(16, 1, 64, 1024, 2048), "upstream MaxText test size"),
   "gpt3-6b": (_gpt3_count(3072, 48, 12288, 32768, 16384), "upstream MaxText size"),
   "gpt3-22b": (_gpt3_count(6144, 48, 24576, 32768, 16384), "upstream MaxText size"),
+  "deepseek3-test": (_deepseek_count(512, 8, 1536, 256, 4, 1, 16, 1, 128, 64, 32, 16, 32, 129280), "a test size"),
 }
 
 

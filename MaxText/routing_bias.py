@@ -1,0 +1,77 @@
+"""DeepSeek-V3's balancing without an auxiliary loss, on the train step's side: the routers' selection bias
+(`.../MoeBlock_0/gate/bias`, layers/deepseek_moe.py) is kept out of the optimizer, and after each update it moves by
+routed_bias_update_rate towards equal expert loads (moe.update_routing_bias), from the step's sown loads.
+
+Off (routed_bias=false) nothing here runs: the bias stays at its initial or converted value, which the routing still
+adds to the scores when it chooses experts.
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from MaxText import common_types
+from MaxText.layers import moe
+
+_BIAS = ("gate", "bias")
+
+
+def _keys(path) -> tuple:
+  return tuple(str(getattr(p, "key", p)) for p in path)
+
+
+def _is_bias(keys: tuple) -> bool:
+  return keys[-2:] == _BIAS
+
+
+def present(config) -> bool:
+  """Whether the model's routers hold selection biases, which the optimizer must leave alone."""
+  return config.decoder_block in common_types.ROUTING_BIAS_BLOCKS
+
+
+def keep_out_of_optimizer(optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
+  """The optimizer with its updates of the routing biases set to zero (their gradient is zero anyway, but AdamW's
+  weight decay would shrink them)."""
+
+  def biases(params):
+    return jax.tree_util.tree_map_with_path(lambda path, _: _is_bias(_keys(path)), params)
+
+  return optax.chain(optimizer, optax.masked(optax.set_to_zero(), biases))
+
+
+def loads(sown: dict) -> dict:
+  """The step's per-expert loads as {path of a bias param: (E,) or (layers, E)}, from the sown intermediates."""
+  found = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(sown)[0]:
+    keys = _keys(path)
+    if moe.TOKENS_PER_EXPERT in keys:
+      owner = keys[1 : keys.index(moe.TOKENS_PER_EXPERT)]  # below "intermediates", down to the MoE block
+      found[owner + _BIAS] = leaf
+  return found
+
+
+def zero_loads(params, scan_axis: int) -> dict:
+  """Zero loads of loads()'s structure: the start of their sum over gradient accumulation's microbatches."""
+  found = {}
+  for path, bias in jax.tree_util.tree_flatten_with_path(params)[0]:
+    keys = _keys(path)
+    if _is_bias(keys):
+      shape = bias.shape if bias.ndim == 1 else (bias.shape[scan_axis], bias.shape[1 - scan_axis])
+      found[keys] = jnp.zeros(shape, jnp.float32)
+  return found
+
+
+def update(params, step_loads: dict, rate: float, scan_axis: int):
+  """params with each routing bias moved by `rate` towards equal loads. A scanned bias stacks its layers on
+  scan_axis ((E, L) with param_scan_axis=1); the sown loads stack theirs on axis 0."""
+
+  def moved(path, bias):
+    keys = _keys(path)
+    if not _is_bias(keys):
+      return bias
+    load = step_loads[keys]
+    if bias.ndim == 2:
+      return jnp.moveaxis(moe.update_routing_bias(jnp.moveaxis(bias, scan_axis, 0), load, rate), 0, scan_axis)
+    return moe.update_routing_bias(bias, load, rate)
+
+  return jax.tree_util.tree_map_with_path(moved, params)

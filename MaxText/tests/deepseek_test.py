@@ -1,0 +1,166 @@
+"""DeepSeek-V3 (decoder_block=deepseek) as a whole model: its two stacks in both layouts, the routing bias kept out of
+the optimizer and moved by its own rule, the balance loss's weight, flops, and the config's checks.
+(Its logits against transformers' DeepseekV3ForCausalLM: convert_checkpoint_test; MLA: mla_test; the MoE:
+deepseek_moe_test.)"""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from MaxText import flops, layer_stacking, mesh, params_layout, train_state, train_step
+from MaxText.errors import ConfigError
+from MaxText.layers import models, moe
+from MaxText.tests.helpers import tiny_config
+
+# 1 dense layer, then 2 MoE layers of 8 experts in 4 groups (2 searched), k 2, a shared expert; latent attention with
+# a query bottleneck and YaRN.
+DEEPSEEK = [
+  "decoder_block=deepseek",
+  "base_num_decoder_layers=3",
+  "first_num_dense_layers=1",
+  "num_experts=8",
+  "num_experts_per_tok=2",
+  "n_routing_groups=4",
+  "topk_routing_group=2",
+  "base_moe_mlp_dim=16",
+  "routed_scaling_factor=2.5",
+  "q_lora_rank=16",
+  "kv_lora_rank=8",
+  "qk_nope_head_dim=8",
+  "qk_rope_head_dim=4",
+  "v_head_dim=6",
+  "rope_type=yarn",
+  "rope_factor=4",
+  "original_max_position_embeddings=16",
+]
+LENGTH = 16
+
+
+def _batch(config, seed=0):
+  rows = config.global_batch_size_to_load
+  tokens = jax.random.randint(jax.random.PRNGKey(seed), (rows, LENGTH), 0, config.vocab_size)
+  positions = jnp.broadcast_to(jnp.arange(LENGTH), tokens.shape)
+  ones = jnp.ones_like(tokens)
+  return dict(
+    inputs=tokens,
+    inputs_position=positions,
+    inputs_segmentation=ones,
+    targets=jnp.roll(tokens, -1, axis=1),
+    targets_position=positions,
+    targets_segmentation=ones,
+  )
+
+
+def _state(config):
+  device_mesh = mesh.create_device_mesh(config)
+  setup = train_state.build(config, device_mesh)
+  state = train_state.init_train_state(setup.model, setup.tx, config, device_mesh, setup.state_shardings)
+  return setup, state
+
+
+def _bias(params):
+  return np.asarray(params["decoder"]["moe_layers"]["MoeBlock_0"]["gate"]["bias"])
+
+
+def test_the_two_stacks_scanned_equal_unrolled():
+  config = tiny_config(*DEEPSEEK, "scan_layers=true")
+  assert models.layer_stacks(config) == {"dense_layers": 1, "moe_layers": 2}
+  batch = _batch(config)
+  model = models.Transformer(config)
+  params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), batch["inputs"], batch["inputs_position"]))["params"]
+  scanned = model.apply({"params": params}, batch["inputs"], batch["inputs_position"])
+  unrolled_params = dict(params, decoder=layer_stacking.unstack_all(params["decoder"], models.layer_stacks(config), 1))
+  assert {"dense_layers_0", "moe_layers_0", "moe_layers_1"} <= set(unrolled_params["decoder"])
+  unrolled = models.Transformer(tiny_config(*DEEPSEEK, "scan_layers=false")).apply(
+    {"params": unrolled_params}, batch["inputs"], batch["inputs_position"]
+  )
+  np.testing.assert_allclose(np.asarray(scanned), np.asarray(unrolled), rtol=1e-5, atol=1e-5)
+  # load_parameters_path's relayout: a per-layer checkpoint restores into a scanned run
+  abstract = jax.eval_shape(lambda: params)
+  shardings = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=shardings), abstract)
+  restacked = params_layout.to_run_layout(unrolled_params, abstract, 1)
+  jax.tree.map(np.testing.assert_array_equal, restacked, params)
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_the_routing_bias_moves_by_its_rule_and_not_by_the_optimizer(accumulation):
+  config = tiny_config(
+    *DEEPSEEK,
+    "routed_bias=true",
+    "routed_bias_update_rate=0.01",
+    f"gradient_accumulation_steps={accumulation}",
+    "adam_weight_decay=0.5",
+    "learning_rate=0.1",
+    "warmup_steps_fraction=0",
+  )
+  setup, state = _state(config)
+  step = jax.jit(functools.partial(train_step.train_step, setup.model, config))
+  new_state, _ = step(state, _batch(config))
+  moved = _bias(new_state.params) - _bias(state.params)  # (E, L): layers stacked on param_scan_axis 1
+  # each expert up or down by the rate (0 at exactly the mean load), and nothing else (no decay, no gradient step)
+  np.testing.assert_allclose(np.abs(moved)[np.abs(moved) > 1e-4], 0.01, atol=1e-7)
+  assert (moved > 0).sum() >= 4 and (moved < 0).sum() >= 4 and (np.abs(moved) < 1e-9).sum() <= 4
+  assert not np.allclose(new_state.params["decoder"]["moe_layers"]["MoeBlock_0"]["gate"]["kernel"], 0)
+
+
+def test_without_routed_bias_a_converted_bias_stays_as_it_is():
+  """AdamW's weight decay would shrink it (its gradient is zero): the optimizer must leave it alone."""
+  config = tiny_config(
+    *DEEPSEEK, "routed_bias=false", "adam_weight_decay=0.5", "learning_rate=0.1", "warmup_steps_fraction=0"
+  )
+  setup, state = _state(config)
+  bias = state.params["decoder"]["moe_layers"]["MoeBlock_0"]["gate"]["bias"]
+  params = jax.tree.map(lambda x: x, state.params)
+  params["decoder"]["moe_layers"]["MoeBlock_0"]["gate"]["bias"] = bias + 0.3
+  state = state.replace(params=params)
+  new_state, _ = jax.jit(functools.partial(train_step.train_step, setup.model, config))(state, _batch(config))
+  np.testing.assert_array_equal(_bias(new_state.params), _bias(state.params))
+
+
+def test_the_sequence_balance_loss_follows_its_weight():
+  batch = _batch(tiny_config(*DEEPSEEK))
+  losses = {}
+  for weight in (0.0, 0.5):
+    config = tiny_config(*DEEPSEEK, f"load_balance_loss_weight={weight}")
+    setup, state = _state(config)
+    loss, aux = train_step.loss_fn(setup.model, config, state.params, batch, jax.random.PRNGKey(0), train=True)
+    sequence_wise = float(moe.sequence_balance_loss(aux.sown, 8, 2))  # DeepSeek-V3's, not Switch/Mixtral's
+    losses[weight] = (float(loss), float(aux.moe_lb_loss), float(aux.weights), sequence_wise)
+  plain, with_balance = losses[0.0], losses[0.5]
+  assert plain[1] == 0.0
+  assert 1.0 <= with_balance[3] <= 4.0  # 1 at perfect balance, E/k at the worst
+  assert with_balance[1] == pytest.approx(0.5 * with_balance[3] * with_balance[2], rel=1e-6)
+  assert with_balance[0] == pytest.approx(plain[0] + with_balance[1], rel=1e-6)
+
+
+def test_flops_count_latent_attention_and_the_active_experts():
+  config = tiny_config(*DEEPSEEK, "per_device_batch_size=1", f"max_target_length={LENGTH}")
+  emb, heads, vocab, t = config.emb_dim, config.num_query_heads, config.vocab_size, LENGTH
+  attention = emb * 16 + 16 * heads * 12 + emb * (8 + 4) + 8 * heads * (8 + 6) + heads * 6 * emb
+  dense_mlp, experts = 3 * emb * config.mlp_dim, (2 + 1) * 3 * emb * 16 + emb * 8  # k + shared experts, router
+  weights = 3 * attention + dense_mlp + 2 * experts + emb * vocab
+  step = flops.training_tflops_per_device(config)
+  assert step.learnable_tflops * 1e12 == pytest.approx(6 * weights * t, rel=1e-9)
+  assert step.attention_tflops * 1e12 == pytest.approx(3 * 3 * 2 * t * t * heads * (12 + 6) / 2, rel=1e-9)
+
+
+@pytest.mark.parametrize(
+  "args,message",
+  [
+    (["n_routing_groups=3"], "n_routing_groups=3 must divide num_experts=8"),
+    (["topk_routing_group=5"], "topk_routing_group=5 must not exceed it"),
+    (["num_experts_per_tok=5", "topk_routing_group=2"], "num_experts_per_tok=5 exceeds the experts of"),
+    (["first_num_dense_layers=4"], "first_num_dense_layers=4 must not exceed base_num_decoder_layers=3"),
+    (["quantization=int8"], "quantization=int8 is not supported with decoder_block=deepseek"),
+    (["sliding_window_size=8"], "sliding_window_size=8 is not supported with decoder_block=deepseek"),
+    (["decoder_block=llama2"], "rope_type=yarn is for multi-head latent attention (decoder_block=deepseek)"),
+  ],
+)
+def test_config_mistakes_are_one_line(args, message):
+  with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    tiny_config(*DEEPSEEK, *args)
