@@ -11,7 +11,8 @@ Counting (multiply-add = 2 FLOPs; x3 for forward + backward):
 DeepSeek (decoder_block=deepseek): multi-head latent attention's projections (q through q_lora_rank or direct, the
 kv latent and its expansion, out) replace QKV and OUT, its attention is 2*B*T^2*Nq*(Dqk + Dv) before the causal
 halving; the first first_num_dense_layers layers run the dense FFN, the others k routed + shared_experts experts of
-width moe_mlp_dim and the router.
+width moe_mlp_dim and the router. Each multi-token prediction depth adds its 2E -> E projection, one more layer (of
+the last stack's kind) and its logits.
 Upstream MaxText (mid-2024) counted attention without the causal halving (4*B*T^2*Nq*D); later
 upstream switched to the causal count used here. `causal_attention=False` gives the old figure.
 """
@@ -103,8 +104,9 @@ def _attention_flops(config, tokens: float) -> tuple[float, float]:
   return query + latent + expand + out, 2 * tokens * length * num_q * (qk_dim + v_dim)
 
 
-def _ffn_flops(config, tokens: float) -> float:
-  """The feed-forward FLOPs of all layers: dense MLPs, or the experts a token runs (and the router)."""
+def _ffn_flops(config, tokens: float) -> tuple[float, float]:
+  """(the feed-forward FLOPs of all layers, those of one layer of the last stack): dense MLPs, or the experts a
+  token runs (and the router)."""
   gated = len(config.mlp_activations) + 1
   dense = 2 * tokens * config.emb_dim * config.mlp_dim * gated
   router = 2 * tokens * config.emb_dim * config.num_experts
@@ -112,10 +114,10 @@ def _ffn_flops(config, tokens: float) -> float:
   if config.decoder_block == "deepseek":
     experts = (config.num_experts_per_tok + config.shared_experts) * 2 * tokens * config.emb_dim * config.moe_mlp_dim * gated
     dense_layers = config.first_num_dense_layers
-    return dense * dense_layers + (experts + router) * (layers - dense_layers)
+    return dense * dense_layers + (experts + router) * (layers - dense_layers), experts + router
   if config.num_experts > 1:  # each token runs num_experts_per_tok experts, after the router's projection
-    return (dense * config.num_experts_per_tok + router) * layers
-  return dense * layers
+    return (dense * config.num_experts_per_tok + router) * layers, dense * config.num_experts_per_tok + router
+  return dense * layers, dense
 
 
 def training_tflops_per_device(config, causal_attention: bool = True) -> StepFlops:
@@ -125,10 +127,13 @@ def training_tflops_per_device(config, causal_attention: bool = True) -> StepFlo
   if causal_attention:
     attention /= 2
   logits = 2 * tokens * config.emb_dim * config.vocab_size
-  layers = config.num_decoder_layers
+  ffn, last_layer_ffn = _ffn_flops(config, tokens)
+  layers, depths = config.num_decoder_layers, config.mtp_num_layers
+  # each multi-token prediction depth: eh_proj (2E -> E), one layer of the last stack's kind, its logits
+  mtp = depths * (2 * tokens * 2 * config.emb_dim * config.emb_dim + projections + last_layer_ffn + logits)
   scale = 3 * config.gradient_accumulation_steps / 1e12
-  learnable = projections * layers + _ffn_flops(config, tokens) + logits
-  return StepFlops(learnable_tflops=learnable * scale, attention_tflops=attention * layers * scale)
+  learnable = projections * layers + ffn + logits + mtp
+  return StepFlops(learnable_tflops=learnable * scale, attention_tflops=attention * (layers + depths) * scale)
 
 
 def tokens_per_device_per_step(config) -> float:

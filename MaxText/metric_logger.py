@@ -171,8 +171,9 @@ class MetricLogger:
       f"total_weights: {int(m['learning/total_weights'])}, loss: {m['learning/loss']:.3f}, "
       f"lr: {m['learning/current_learning_rate']:.3e}, grad_norm: {m['learning/raw_grad_norm']:.3f}"
     )
-    if "learning/moe_lb_loss" in m:
-      line += f", moe_lb_loss: {m['learning/moe_lb_loss']:.4f}"
+    for name in ("moe_lb_loss", "mtp_loss"):
+      if f"learning/{name}" in m:
+        line += f", {name}: {m[f'learning/{name}']:.4f}"
     if "perf/mfu" in m:
       line += f", MFU: {100 * m['perf/mfu']:.2f}%"
     eta = self._eta_seconds(step)

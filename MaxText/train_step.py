@@ -17,6 +17,7 @@ from jax.experimental import checkify
 from MaxText import routing_bias, sharding
 from MaxText.diagnostics import nonfinite, numerics_stats, numerics_taps
 from MaxText.layers import context_parallel, models, quantizations
+from MaxText.layers.multi_token_prediction import MTP_LOGITS
 from MaxText.optimizers import create_learning_rate_schedule
 
 
@@ -45,7 +46,7 @@ class LossAux(NamedTuple):
   """What the loss returns besides its value."""
 
   weights: jax.Array  # the real target tokens (the loss's denominator)
-  moe_lb_loss: jax.Array  # the load-balancing part of the loss (0 without experts, and in eval)
+  aux_losses: dict  # aux_loss_names' terms of the loss, summed over tokens as the loss is (0 in eval)
   sown: dict  # the `intermediates` collection: MoE routing statistics, the numerics taps' reductions
 
 
@@ -54,7 +55,7 @@ class Gradients(NamedTuple):
 
   loss: jax.Array  # the summed loss
   weights: jax.Array
-  moe_lb_loss: jax.Array
+  aux_losses: dict
   params: Any  # the summed loss's gradient
   reductions: dict | None = None  # the numerics statistics' raw reductions (numerics_stats.combine adds them)
   fp8_meta: Any = None  # the new fp8 state (microbatches combine by maximum)
@@ -64,12 +65,34 @@ class Gradients(NamedTuple):
 NO_EXTRAS = StepExtras()
 
 
+def aux_loss_names(config) -> tuple:
+  """The terms of the training loss besides the cross-entropy, each also logged as learning/<name>."""
+  names = ("moe_lb_loss",) if config.num_experts > 1 else ()
+  return names + (("mtp_loss",) if config.mtp_num_layers > 0 else ())
+
+
+def mtp_loss(sown: dict, batch) -> jax.Array:
+  """Multi-token prediction's loss: the mean over depths of depth k's mean cross-entropy, where position i predicts
+  token i + 1 + k (targets[i + k]), counted where that target is real, in i's document and inside the sequence."""
+  depths = sown["intermediates"]["decoder"][MTP_LOGITS]
+  length = batch["targets"].shape[1]
+  total = jnp.zeros((), jnp.float32)
+  for k, logits in enumerate(depths, start=1):
+    targets = jnp.roll(batch["targets"], -k, axis=1)
+    target_segments = jnp.roll(batch["targets_segmentation"], -k, axis=1)
+    real = (target_segments != 0) & (target_segments == batch["inputs_segmentation"]) & (jnp.arange(length) < length - k)
+    xent = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    total += jnp.sum(xent * real) / jnp.maximum(jnp.sum(real), 1)
+  return total / len(depths)
+
+
 def loss_fn(model, config, params, batch, dropout_rng, train: bool, extras: StepExtras = NO_EXTRAS):
   """The summed token cross-entropy to differentiate, and its LossAux.
 
   In training the loss also holds load_balance_loss_weight x the family's MoE balance loss (DecoderFamily.
-  balance_loss) x the real tokens: dividing the sums by all tokens, as for the cross-entropy, then averages it over
-  microbatches. Eval (train=False) is cross-entropy only.
+  balance_loss) and mtp_loss_scaling_factor x multi-token prediction's loss, each x the real tokens: dividing the
+  sums by all tokens, as for the cross-entropy, then averages them over microbatches. Eval (train=False) is
+  cross-entropy only.
   """
   batch = context_parallel.reorder(context_parallel.from_config(config), batch)  # the layout attention expects
   logits, sown = model.apply(
@@ -84,11 +107,13 @@ def loss_fn(model, config, params, batch, dropout_rng, train: bool, extras: Step
   xent = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])  # (B, T)
   weights = (batch["targets_segmentation"] != 0).astype(jnp.float32)
   total_weights = jnp.sum(weights)
-  moe_lb = jnp.zeros((), jnp.float32)
-  if train:
+  aux = {name: jnp.zeros((), jnp.float32) for name in aux_loss_names(config)}
+  if train and "moe_lb_loss" in aux:
     balance_loss = models.DECODER_BLOCKS[config.decoder_block].balance_loss
-    moe_lb = config.load_balance_loss_weight * balance_loss(sown, config) * total_weights
-  return jnp.sum(xent * weights) + moe_lb, LossAux(total_weights, moe_lb, sown)
+    aux["moe_lb_loss"] = config.load_balance_loss_weight * balance_loss(sown, config) * total_weights
+  if train and "mtp_loss" in aux:
+    aux["mtp_loss"] = config.mtp_loss_scaling_factor * mtp_loss(sown, batch) * total_weights
+  return jnp.sum(xent * weights) + sum(aux.values()), LossAux(total_weights, aux, sown)
 
 
 def _microbatch_gradients(model, config, params, extras: StepExtras, batch, dropout_rng) -> Gradients:
@@ -98,7 +123,7 @@ def _microbatch_gradients(model, config, params, extras: StepExtras, batch, drop
   )
   reductions = None if extras.plan is None else extras.plan.reductions(aux.sown, extras_grads.numerics)
   loads = routing_bias.loads(aux.sown) if config.routed_bias else None
-  return Gradients(loss, aux.weights, aux.moe_lb_loss, grads, reductions, extras_grads.fp8_meta, loads)
+  return Gradients(loss, aux.weights, aux.aux_losses, grads, reductions, extras_grads.fp8_meta, loads)
 
 
 def _add(a: Gradients, b: Gradients) -> Gradients:
@@ -106,7 +131,7 @@ def _add(a: Gradients, b: Gradients) -> Gradients:
   return Gradients(
     a.loss + b.loss,
     a.weights + b.weights,
-    a.moe_lb_loss + b.moe_lb_loss,
+    jax.tree.map(jnp.add, a.aux_losses, b.aux_losses),
     jax.tree.map(jnp.add, a.params, b.params),
     None if a.reductions is None else numerics_stats.combine(a.reductions, b.reductions),
     None if a.fp8_meta is None else jax.tree.map(jnp.maximum, a.fp8_meta, b.fp8_meta),
@@ -136,7 +161,7 @@ def summed_gradients(model, config, params, extras: StepExtras, batch, dropout_r
   nothing = Gradients(
     zero,
     zero,
-    zero,
+    {name: zero for name in aux_loss_names(config)},
     jax.tree.map(jnp.zeros_like, params),
     None if extras.plan is None else extras.plan.identity(extras.numerics),
     None if extras.fp8_meta is None else jax.tree.map(lambda m: jnp.full_like(m, -jnp.inf), extras.fp8_meta),
@@ -219,8 +244,8 @@ def _metrics(config, state, new_state, summed: Gradients, grads, finite, plan) -
     "learning/update_norm": optax.tree.norm(jax.tree.map(jnp.subtract, new_state.params, state.params)),
     "learning/current_learning_rate": create_learning_rate_schedule(config)(state.step),
   }
-  if config.num_experts > 1:  # learning/loss includes this term (what is minimised), as upstream MaxText's
-    metrics["learning/moe_lb_loss"] = summed.moe_lb_loss / denominator
+  for name, value in summed.aux_losses.items():  # learning/loss includes them (what is minimised), as upstream's
+    metrics[f"learning/{name}"] = value / denominator
   if finite is not None:
     metrics[nonfinite.SKIPPED] = (~finite).astype(jnp.float32)
     metrics[nonfinite.REPORT] = nonfinite.locate(finite, state.params, grads, config)

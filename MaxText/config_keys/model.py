@@ -104,6 +104,14 @@ SECTIONS = {
       range=NON_NEGATIVE,
       acts_with=_DEEPSEEK,
     ),
+    "mtp_num_layers": Key(
+      "Multi-token prediction depths (one decoder layer each; depth k predicts the token k + 1 ahead); 0: none.",
+      range=Range(0),
+    ),
+    "mtp_loss_scaling_factor": Key(
+      "Weight of the depths' mean cross-entropy in the training loss (DeepSeek-V3: 0.3, then 0.1).",
+      range=NON_NEGATIVE,
+    ),
     "q_lora_rank": Key(
       "deepseek: the query's low-rank bottleneck; 0: projected directly.", range=Range(0), acts_with=_DEEPSEEK
     ),

@@ -101,6 +101,8 @@ def to_maxtext(hf_path: str, output_dir: str) -> str:
   checkpoint = hf_io.HFCheckpoint(hf_path)
   if family.hf_tensor_name is not None:
     checkpoint.rename(family.hf_tensor_name(hf_cfg))
+  if family.checkpoint_keys is not None:
+    keys = family.checkpoint_keys(keys, checkpoint.names())
   writer = maxtext_io.ParamsWriter(os.path.join(output_dir, PARAMS_DIR))  # refuses a non-empty one
   tokenizer = tokenizer_files.copy_to_maxtext(hf_path, output_dir)
   if tokenizer:

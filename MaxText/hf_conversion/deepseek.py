@@ -5,9 +5,14 @@ attention's projections map by transposes and reshapes (each head's query [nope,
 RoPE part keeps DeepSeek's interleaved layout (rope_interleave=true), which MaxText's MLA reads as such. The router's
 e_score_correction_bias is MaxText's gate/bias; per-expert tensors stack on MaxText's expert axis 0, as Mixtral's.
 
-The multi-token prediction layers that DeepSeek's own checkpoints append (model.layers.<num_hidden_layers> and on)
-are not part of the main model: to_maxtext leaves them out and says so.
+The multi-token prediction depths that DeepSeek's own checkpoints append as further layers (model.layers.
+<num_hidden_layers + k - 1>, num_nextn_predict_layers of them) are MaxText's decoder/mtp_<k>: its enorm, hnorm,
+eh_proj, shared_head.norm and an MoE layer's tensors. Their copies of the embedding and of the output head
+(embed_tokens, shared_head.head) are the main model's, which MaxText shares: to_maxtext skips them, to_hf does not
+write them. transformers' DeepseekV3ForCausalLM has no such layers (it ignores them).
 """
+
+import dataclasses
 
 from MaxText import max_logging
 from MaxText.errors import UserError
@@ -38,6 +43,15 @@ MOE_PARAMS = (
   Param("MoeBlock_0/shared_experts/wi_1/kernel", f"{_MLP}.shared_experts.up_proj.weight", "transpose"),
   Param("MoeBlock_0/shared_experts/wo/kernel", f"{_MLP}.shared_experts.down_proj.weight", "transpose"),
 )
+MTP_PARAMS = (
+  Param("enorm/scale", "model.layers.{i}.enorm.weight"),
+  Param("hnorm/scale", "model.layers.{i}.hnorm.weight"),
+  Param("eh_proj/kernel", "model.layers.{i}.eh_proj.weight", "transpose"),
+  Param("norm/scale", "model.layers.{i}.shared_head.norm.weight"),
+  *(dataclasses.replace(p, maxtext=f"layer/{p.maxtext}") for p in (*_NORMS, *ATTENTION_PARAMS, *MOE_PARAMS)),
+)
+_SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")  # an MTP layer's copies of the main model's
+
 STACK_PARAMS = {
   "dense_layers": (*_NORMS, *ATTENTION_PARAMS, *llama.MLP_PARAMS),
   "moe_layers": (*_NORMS, *ATTENTION_PARAMS, *MOE_PARAMS),
@@ -100,6 +114,7 @@ def config_to_maxtext(hf: dict, where: str) -> dict:
     "qk_nope_head_dim": hf_config.require(hf, "qk_nope_head_dim", where),
     "qk_rope_head_dim": hf_config.require(hf, "qk_rope_head_dim", where),
     "v_head_dim": hf_config.require(hf, "v_head_dim", where),
+    "mtp_num_layers": hf.get("num_nextn_predict_layers") or 0,
   }
   keys.update(_yarn_keys(hf, where))
   return keys
@@ -148,24 +163,31 @@ def config_to_hf(cfg) -> dict:
     "rope_scaling": yarn,
     "rope_interleave": True,
     "attention_bias": False,
+    "num_nextn_predict_layers": cfg.mtp_num_layers,
   }
 
 
-def main_model_tensor_name(hf: dict):
-  """Hides the multi-token prediction layers (model.layers.<n> for n >= num_hidden_layers), saying so once."""
+def keys_for_checkpoint(keys: dict, names: list) -> dict:
+  """No multi-token prediction where the checkpoint has no such layers (transformers writes num_nextn_predict_layers
+  but not the layers), with a line saying so."""
+  first = f"model.layers.{keys['base_num_decoder_layers']}.eh_proj.weight"
+  if keys["mtp_num_layers"] and first not in names:
+    max_logging.log(
+      f"config.json counts {keys['mtp_num_layers']} multi-token prediction layers, which the checkpoint does not "
+      "hold: converting the main model (mtp_num_layers=0)"
+    )
+    return dict(keys, mtp_num_layers=0)
+  return keys
+
+
+def without_shared_copies(hf: dict):
+  """Hides the multi-token prediction layers' copies of the embedding and output head (the main model's)."""
   layers = hf.get("num_hidden_layers", 0)
-  told = []
 
   def rename(name: str):
     parts = name.split(".")
-    if name.startswith("model.layers.") and parts[2].isdigit() and int(parts[2]) >= layers:
-      if not told:
-        max_logging.log(
-          f"Left out model.layers.{layers} and on: the multi-token prediction module, not part of the main model"
-        )
-        told.append(True)
-      return None
-    return name
+    in_mtp = name.startswith("model.layers.") and parts[2].isdigit() and int(parts[2]) >= layers
+    return None if in_mtp and name.endswith(_SHARED_COPIES) else name
 
   return rename
 
@@ -179,6 +201,8 @@ FAMILY = Family(
   layer_params=STACK_PARAMS["moe_layers"],
   config_to_maxtext=config_to_maxtext,
   config_to_hf=config_to_hf,
-  hf_tensor_name=main_model_tensor_name,
+  hf_tensor_name=without_shared_copies,
   stack_params=STACK_PARAMS,
+  mtp_params=MTP_PARAMS,
+  checkpoint_keys=keys_for_checkpoint,
 )

@@ -16,6 +16,7 @@ from MaxText.errors import UserError
 from MaxText.hf_conversion import tables
 
 _PER_LAYER = re.compile(rf"({'|'.join(STACK_NAMES)})_(\d+)")
+_MTP_DEPTH = re.compile(r"mtp_(\d+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +53,11 @@ def _stack_of(keys: tuple) -> tuple[str | None, int | None]:
 
 
 def _rule_for(keys: tuple, family, scan_axis: int):
-  """(rule, stack or None, block index or None, layer axis or None) of a MaxText param."""
+  """(rule, stack or None, block index or None, layer axis or None) of a MaxText param. A multi-token prediction
+  depth's params count as the "mtp" stack, block k - 1."""
+  depth = _MTP_DEPTH.fullmatch(keys[1]) if len(keys) > 2 and keys[0] == "decoder" else None
+  if depth:
+    return {p.maxtext: p for p in family.mtp_params}.get("/".join(keys[2:])), "mtp", int(depth.group(1)) - 1, None
   stack, block = _stack_of(keys)
   if stack is None or stack not in family.stacks:
     return {p.maxtext: p for p in family.global_params}.get("/".join(keys)), None, None, None
@@ -71,6 +76,7 @@ def _first_blocks(family, shapes: dict, scan_axis: int) -> dict[str, int]:
   offsets, first = {}, 0
   for stack in family.stacks:
     offsets[stack], first = first, first + blocks.get(stack, 0)
+  offsets["mtp"] = first  # the depths follow the decoder's layers
   return offsets
 
 
@@ -113,6 +119,7 @@ def plan(family, shapes: dict, scan_axis: int, tied: bool, where: str) -> list[A
         slices.append(Slice(tuple(index), rule.hf.format(i=hf_layer, e=e), rule.op))
     arrays.append(Array(tuple(keys), tuple(shape), tuple(sorted(stacked)), slices))
   tables_used = [family.layer_table(stack) for stack in family.stacks if stack in stacks]
+  tables_used += [family.mtp_params] if "mtp" in stacks else []
   wanted = {p for table in [*tables_used, family.global_params] for p in table}
   wanted = {p for p in wanted if not (p.optional or (tied and p.untied_only))}
   missing = sorted(p.maxtext for p in wanted - used)

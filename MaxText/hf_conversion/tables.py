@@ -91,6 +91,10 @@ class Family:
     layer_params: params of one decoder layer.
     stack_params: for a family whose decoder has several stacks (common_types.SPLIT_STACKS), the params of one
       layer of each, by stack name in the order they run; None: layer_params is the one stack's (`layers`).
+    mtp_params: the params of one multi-token prediction depth (decoder/mtp_<k>/...), HF layer num_hidden_layers +
+      k - 1 (DeepSeek-V3's checkpoints append them as further layers); () where the conversion has none.
+    checkpoint_keys: None, or (MaxText keys, the checkpoint's tensor names) -> the keys for what the checkpoint holds
+      (transformers saves DeepSeek-V3 without the multi-token prediction layers its config.json counts).
     config_to_maxtext: HF config.json dict -> MaxText config keys (raises UserError on an unsupported variant).
     config_to_hf: MaxText config (attribute access) -> HF config.json keys.
     hf_tensor_name: None, or (config.json dict) -> a function from a checkpoint's tensor names to the names in
@@ -108,6 +112,8 @@ class Family:
   config_to_hf: object
   hf_tensor_name: object = None
   stack_params: dict | None = None
+  mtp_params: tuple = ()
+  checkpoint_keys: object = None
 
   def layer_table(self, stack: str) -> tuple:
     """The params of one layer of the stack named `stack`."""

@@ -17,6 +17,7 @@ from MaxText.layers.linears import DenseGeneral, Gemm
 from MaxText.layers.llama2 import LlamaDecoderLayer
 from MaxText.layers.mistral import MistralDecoderLayer
 from MaxText.layers.mixtral import MixtralDecoderLayer
+from MaxText.layers.multi_token_prediction import MTP_LOGITS, MtpDepth
 from MaxText.layers.qwen3 import Qwen3DecoderLayer, Qwen3MoeDecoderLayer
 
 # decoder_block -> the family's layer and what the stack does around it (final norm, embedding scale).
@@ -112,13 +113,13 @@ class Decoder(nn.Module):
   shared_embedding: nn.Module
   gemm: Gemm
 
-  def _block_stack(self, stack: str):
+  def _block_stack(self, stack: str, scanned: bool):
     cfg = self.config
     family = DECODER_BLOCKS[cfg.decoder_block]
-    block = _stacked(family.block(stack), family.takes_layer_index, cfg.scan_layers)
+    block = _stacked(family.block(stack), family.takes_layer_index, scanned)
     if cfg.remat_policy != "none":
       # Args are (self, x, positions, segment_ids, deterministic, layer_index): `deterministic` is a Python bool.
-      block = nn.remat(block, prevent_cse=not cfg.scan_layers, policy=REMAT_POLICIES[cfg.remat_policy], static_argnums=(4,))
+      block = nn.remat(block, prevent_cse=not scanned, policy=REMAT_POLICIES[cfg.remat_policy], static_argnums=(4,))
     return block
 
   @nn.compact
@@ -128,8 +129,24 @@ class Decoder(nn.Module):
     y = block_parts.dropout(cfg)(y, deterministic=deterministic)
     y = self._layers(y, positions, segment_ids, deterministic)
     y = DECODER_BLOCKS[cfg.decoder_block].final_norm(cfg, "decoder_norm")(y)
+    head = self._output_head()
+    decoding = self.is_mutable_collection("cache") and not self.is_initializing()
+    if cfg.mtp_num_layers > 0 and not decoding:  # decoding skips the extra depths
+      self._multi_token_prediction(y, tokens, positions, segment_ids, deterministic, head)
     y = block_parts.dropout(cfg)(y, deterministic=deterministic)
-    return self._logits(y)  # (B, T, V) float32
+    return self._logits(y, head)  # (B, T, V) float32
+
+  def _multi_token_prediction(self, hidden, tokens, positions, segment_ids, deterministic: bool, head):
+    """Sows each depth's logits (multi_token_prediction.MTP_LOGITS); depth k sees the embedding of token i + k at
+    position i (the last k positions wrap around: the loss leaves them out)."""
+    cfg = self.config
+    family = DECODER_BLOCKS[cfg.decoder_block]
+    block = self._block_stack(list(layer_stacks(cfg))[-1], scanned=False)
+    for k in range(1, cfg.mtp_num_layers + 1):
+      ahead = self._embed(jnp.roll(tokens, -k, axis=1), positions)
+      depth = MtpDepth(cfg, self.gemm, block, family.final_norm, name=f"mtp_{k}")
+      hidden, normed = depth(hidden, ahead, positions, segment_ids, deterministic, cfg.num_decoder_layers + k - 1)
+      self.sow("intermediates", MTP_LOGITS, self._logits(normed, head))
 
   def _embed(self, tokens, positions):
     cfg = self.config
@@ -159,7 +176,7 @@ class Decoder(nn.Module):
   def _stack(self, stack: str, blocks: int, offset: int, y, positions, segment_ids, deterministic: bool):
     """One stack: scanned as decoder/<stack> (params stacked on param_scan_axis), or unrolled as <stack>_i."""
     cfg = self.config
-    block = self._block_stack(stack)
+    block = self._block_stack(stack, cfg.scan_layers)
     if not cfg.scan_layers:
       for i in range(blocks):
         y = block(config=cfg, gemm=self.gemm, name=f"{stack}_{i}")(y, positions, segment_ids, deterministic, offset + i)
@@ -181,16 +198,23 @@ class Decoder(nn.Module):
     y, _ = scanned(config=cfg, gemm=self.gemm, name=stack)(y, positions, segment_ids, deterministic, indices)
     return y
 
-  def _logits(self, y):
+  def _output_head(self):
+    """The untied logits projection (shared by the main logits and multi-token prediction's), or None when tied."""
     cfg = self.config
     if cfg.logits_via_embedding:
+      return None
+    return DenseGeneral(
+      cfg.vocab_size, ("embed", "vocab"), dtype=logits_dot_dtype(cfg), weight_dtype=cfg.weight_dtype, name="logits_dense"
+    )
+
+  def _logits(self, y, head):
+    cfg = self.config
+    if head is None:
       logits = self.shared_embedding.attend(y)
       if cfg.normalize_embedding_logits:
         logits = logits / jnp.sqrt(y.shape[-1])
     else:
-      logits = DenseGeneral(
-        cfg.vocab_size, ("embed", "vocab"), dtype=logits_dot_dtype(cfg), weight_dtype=cfg.weight_dtype, name="logits_dense"
-      )(y)
+      logits = head(y)
     logits = nn.with_logical_constraint(
       logits, ("activation_embed_and_logits_batch", "activation_length", "activation_vocab")
     )

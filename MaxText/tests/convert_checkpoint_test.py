@@ -398,6 +398,64 @@ def test_gemma3_multimodal_checkpoint_gives_its_text_model(tmp_path):
   assert max_abs < TOLERANCE
 
 
+def _deepseek_mtp_tensors(mtp, layer: int, moe_intermediate: int) -> dict:
+  """transformers' MtpModel depth 0 as DeepSeek-V3's checkpoints store it: layer `layer`'s tensors, per-expert."""
+  out = {}
+  for name, tensor in mtp.state_dict().items():
+    name = name.removeprefix("layers.0.")
+    if name.startswith(("embed_tokens", "shared_head")):
+      continue
+    name = name.replace("post_norm.", "shared_head.norm.").removeprefix("mtp_block.")
+    if name.endswith("experts.gate_up_proj"):
+      for e in range(tensor.shape[0]):
+        out[f"mlp.experts.{e}.gate_proj.weight"] = tensor[e, :moe_intermediate]
+        out[f"mlp.experts.{e}.up_proj.weight"] = tensor[e, moe_intermediate:]
+    elif name.endswith("experts.down_proj"):
+      for e in range(tensor.shape[0]):
+        out[f"mlp.experts.{e}.down_proj.weight"] = tensor[e]
+    else:
+      out[name] = tensor
+  return {f"model.layers.{layer}.{name}": t.contiguous() for name, t in out.items()}
+
+
+def test_deepseek_multi_token_prediction_converts_and_matches_transformers(tmp_path):
+  """DeepSeek-V3's checkpoints append the MTP depth as a further layer: it converts to decoder/mtp_1, its logits
+  equal transformers' MtpModel's, its copies of the embedding and head are skipped, and the round trip is bitwise."""
+  from safetensors.torch import save_file  # pylint: disable=import-outside-toplevel
+  from transformers.modeling_layers import MtpModel  # pylint: disable=import-outside-toplevel
+
+  hf_dir = build_hf_model(str(tmp_path / "hf"), "deepseek")
+  main = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+  mtp = MtpModel(main, 1).to(torch.float32)
+  _randomize(mtp.layers, seed=5)  # not its embedding and head: the main model's own, shared
+  layers, moe_intermediate = main.config.num_hidden_layers, main.config.moe_intermediate_size
+  tensors = _safetensors(hf_dir)
+  tensors.update(_deepseek_mtp_tensors(mtp, layers, moe_intermediate))
+  tensors[f"model.layers.{layers}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+  tensors[f"model.layers.{layers}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+  save_file(tensors, os.path.join(hf_dir, "model.safetensors"))
+  converter.to_maxtext(hf_dir, str(tmp_path / "maxtext"))
+
+  tokens = logit_check.random_tokens(TINY["vocab_size"])
+  _, sown = _logits(str(tmp_path / "maxtext"), tokens, intermediates=True)
+  ours = np.asarray(sown["decoder"]["mtp_logits"][0])
+  with torch.no_grad():
+    ids = torch.from_numpy(np.asarray(tokens)).long()
+    last_hidden = main(ids, output_hidden_states=True).hidden_states[-1]
+    positions = torch.arange(ids.shape[1])[None]
+    hidden = mtp.forward_layer(0, last_hidden, positions, None, input_ids=torch.roll(ids, -1, dims=1))
+    theirs = mtp._project_to_logits(hidden).numpy()  # pylint: disable=protected-access
+  max_abs, _ = logit_check.compare(theirs[:, :-1], ours[:, :-1])  # the last position has no token ahead
+  print(f"MTP logits vs transformers: {max_abs:.3g}")
+  assert max_abs < TOLERANCE, max_abs
+
+  back = _safetensors(converter.to_hf(str(tmp_path / "maxtext"), str(tmp_path / "hf_out")))
+  skipped = {f"model.layers.{layers}.embed_tokens.weight", f"model.layers.{layers}.shared_head.head.weight"}
+  assert sorted(back) == sorted(set(tensors) - skipped)
+  for name, tensor in back.items():
+    assert torch.equal(tensor, tensors[name]), name
+
+
 @pytest.mark.slow
 def test_readme_recipe_convert_train_convert_back(tmp_path):
   """docs/huggingface.md's fine-tuning recipe as a user runs it: convert, train 2 steps from model.yml, convert it back."""

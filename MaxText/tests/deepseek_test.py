@@ -14,6 +14,7 @@ import pytest
 from MaxText import flops, layer_stacking, mesh, params_layout, train_state, train_step
 from MaxText.errors import ConfigError
 from MaxText.layers import models, moe
+from MaxText.layers.multi_token_prediction import MTP_LOGITS
 from MaxText.tests.helpers import tiny_config
 
 # 1 dense layer, then 2 MoE layers of 8 experts in 4 groups (2 searched), k 2, a shared expert; latent attention with
@@ -130,7 +131,7 @@ def test_the_sequence_balance_loss_follows_its_weight():
     setup, state = _state(config)
     loss, aux = train_step.loss_fn(setup.model, config, state.params, batch, jax.random.PRNGKey(0), train=True)
     sequence_wise = float(moe.sequence_balance_loss(aux.sown, 8, 2))  # DeepSeek-V3's, not Switch/Mixtral's
-    losses[weight] = (float(loss), float(aux.moe_lb_loss), float(aux.weights), sequence_wise)
+    losses[weight] = (float(loss), float(aux.aux_losses["moe_lb_loss"]), float(aux.weights), sequence_wise)
   plain, with_balance = losses[0.0], losses[0.5]
   assert plain[1] == 0.0
   assert 1.0 <= with_balance[3] <= 4.0  # 1 at perfect balance, E/k at the worst
@@ -164,3 +165,65 @@ def test_flops_count_latent_attention_and_the_active_experts():
 def test_config_mistakes_are_one_line(args, message):
   with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
     tiny_config(*DEEPSEEK, *args)
+
+
+# ----------------------------------------------------------------------------- multi-token prediction
+
+
+def test_mtp_loss_counts_the_token_k_ahead_within_a_document():
+  """Position i of depth k is scored on targets[i + k], where that target is real, in i's document and inside."""
+  targets = jnp.array([[10, 11, 12, 13, 14, 15]])
+  segments = jnp.array([[1, 1, 1, 2, 2, 0]])  # two documents, then padding
+  batch = {"targets": targets, "targets_segmentation": segments, "inputs_segmentation": segments}
+  vocab = 20
+
+  def sown(logits):
+    return {"intermediates": {"decoder": {MTP_LOGITS: (logits,)}}}
+
+  right = 50.0 * jax.nn.one_hot(jnp.roll(targets, -1, axis=1), vocab)  # sure of targets[i + 1]
+  assert float(train_step.mtp_loss(sown(right), batch)) < 1e-6
+  wrong_where_counted = right.at[0, jnp.array([0, 1, 3])].set(0.0)  # i = 0, 1 (document 1) and 3 (document 2)
+  uniform = float(np.log(vocab))
+  assert float(train_step.mtp_loss(sown(wrong_where_counted), batch)) == pytest.approx(uniform, rel=1e-5)
+  # positions 2 (its target is in document 2), 4 (padding ahead) and 5 (past the end) are not counted
+  ignored = right.at[0, jnp.array([2, 4, 5])].set(0.0)
+  assert float(train_step.mtp_loss(sown(ignored), batch)) < 1e-6
+
+
+def test_mtp_depth_sees_no_token_past_the_one_it_is_given():
+  """Depth 1 at position i sees tokens up to i + 1 (its input): changing token i + 2 leaves positions <= i alone."""
+  config = tiny_config(*DEEPSEEK, "mtp_num_layers=1")
+  batch = _batch(config)
+  model = models.Transformer(config)
+  params = jax.jit(model.init)(jax.random.PRNGKey(0), batch["inputs"], batch["inputs_position"])
+
+  def mtp_logits(tokens):
+    _, sown = model.apply(params, tokens, batch["inputs_position"], mutable=["intermediates"])
+    return np.asarray(sown["intermediates"]["decoder"][MTP_LOGITS][0])
+
+  before = mtp_logits(batch["inputs"])
+  after = mtp_logits(batch["inputs"].at[:, 9].set((batch["inputs"][:, 9] + 1) % config.vocab_size))
+  np.testing.assert_array_equal(after[:, :8], before[:, :8])
+  assert not np.allclose(after[:, 8], before[:, 8])
+
+
+def test_mtp_weight_zero_gives_the_plain_loss_and_no_gradient_to_the_depths():
+  config = tiny_config(*DEEPSEEK, "mtp_num_layers=1", "mtp_loss_scaling_factor=0", "load_balance_loss_weight=0")
+  setup, state = _state(config)
+  batch = _batch(config)
+  loss, aux = train_step.loss_fn(setup.model, config, state.params, batch, jax.random.PRNGKey(0), train=True)
+  plain, _ = train_step.loss_fn(setup.model, config, state.params, batch, jax.random.PRNGKey(0), train=False)
+  assert float(loss) == pytest.approx(float(plain), rel=1e-6) and float(aux.aux_losses["mtp_loss"]) == 0.0
+  grads = jax.grad(lambda p: train_step.loss_fn(setup.model, config, p, batch, jax.random.PRNGKey(0), True)[0])(state.params)
+  assert all(float(jnp.abs(g).max()) == 0.0 for g in jax.tree.leaves(grads["decoder"]["mtp_1"]))
+
+
+def test_mtp_flops_add_a_layer_its_projection_and_logits():
+  args = (*DEEPSEEK, "per_device_batch_size=1", f"max_target_length={LENGTH}")
+  plain, with_mtp = (flops.training_tflops_per_device(tiny_config(*args, f"mtp_num_layers={d}")) for d in (0, 2))
+  config = tiny_config(*args)
+  emb, heads, t = config.emb_dim, config.num_query_heads, LENGTH
+  attention = emb * 16 + 16 * heads * 12 + emb * (8 + 4) + 8 * heads * (8 + 6) + heads * 6 * emb
+  moe_layer = attention + (2 + 1) * 3 * emb * 16 + emb * 8
+  depth = 2 * emb * emb + moe_layer + emb * config.vocab_size
+  assert (with_mtp.learnable_tflops - plain.learnable_tflops) * 1e12 == pytest.approx(6 * 2 * depth * t, rel=1e-9)

@@ -72,8 +72,8 @@ UNPUBLISHED = {
 }
 
 
-def _param_count(model_name: str) -> int:
-  config = pyconfig.initialize(["test", BASE_YML, "run_name=test", f"model_name={model_name}"], environ={})
+def _param_count(model_name: str, *overrides) -> int:
+  config = pyconfig.initialize(["test", BASE_YML, "run_name=test", f"model_name={model_name}", *overrides], environ={})
   tokens = jnp.zeros((1, 8), jnp.int32)
   shapes = jax.eval_shape(models.Transformer(config).init, jax.random.PRNGKey(0), tokens, tokens)
   return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
@@ -95,3 +95,9 @@ def test_parameter_count_matches_the_published_one(model_name):
 def test_parameter_count_matches_the_closed_form(model_name):
   expected, _ = UNPUBLISHED[model_name]
   assert _param_count(model_name) == expected
+
+
+def test_deepseek3_with_multi_token_prediction_matches_685b():
+  """DeepSeek-V3 Technical Report: 685B with the MTP module. MaxText shares the embedding and head with it (the
+  checkpoint keeps copies, 2 x 129280 x 7168 = 1.85B): 682.64B here."""
+  assert _param_count("deepseek3-671b", "mtp_num_layers=1") == pytest.approx(685e9, rel=0.01)
