@@ -41,8 +41,9 @@ def hf_logits(hf_dir: str, tokens: np.ndarray, hidden_states: bool = False):
   return logits
 
 
-def maxtext_logits(model_yml: str, params_dir: str, tokens: np.ndarray, scan_layers: bool = True, intermediates=False):
-  """float32 logits (B, T, V) of MaxText with the params of params_dir (and each layer's output if asked)."""
+def converted_model(model_yml: str, params_dir: str, length: int, scan_layers: bool = True, **overrides):
+  """(config, model, params) of a converted model in float32 on one device, for sequences of `length` tokens."""
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
@@ -50,19 +51,26 @@ def maxtext_logits(model_yml: str, params_dir: str, tokens: np.ndarray, scan_lay
   from MaxText.hf_conversion import converter  # pylint: disable=import-outside-toplevel
   from MaxText.layers.models import Transformer  # pylint: disable=import-outside-toplevel
 
-  length = tokens.shape[1]
   config = converter.maxtext_config(
-    model_yml, dtype="float32", weight_dtype="float32", max_target_length=length, scan_layers=scan_layers
+    model_yml, dtype="float32", weight_dtype="float32", max_target_length=length, scan_layers=scan_layers, **overrides
   )
   model = Transformer(config)
-  positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), tokens.shape)
+  tokens = jnp.zeros((1, length), jnp.int32)
   rng = jax.random.PRNGKey(0)
-  abstract = jax.eval_shape(lambda: model.init({"params": rng, "dropout": rng}, tokens, positions))["params"]
+  abstract = jax.eval_shape(lambda: model.init({"params": rng, "dropout": rng}, tokens, tokens))["params"]
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  import flax.linen as nn  # pylint: disable=import-outside-toplevel
-
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), nn.unbox(abstract))
-  params = checkpointing.load_params(params_dir, abstract, config.param_scan_axis)
+  return config, model, checkpointing.load_params(params_dir, abstract, config.param_scan_axis)
+
+
+def maxtext_logits(model_yml: str, params_dir: str, tokens: np.ndarray, scan_layers: bool = True, intermediates=False):
+  """float32 logits (B, T, V) of MaxText with the params of params_dir (and each layer's output if asked)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  length = tokens.shape[1]
+  _, model, params = converted_model(model_yml, params_dir, length, scan_layers)
+  positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), tokens.shape)
   with jax.default_matmul_precision("float32"):
     if intermediates:
       logits, state = model.apply({"params": params}, tokens, positions, capture_intermediates=True)

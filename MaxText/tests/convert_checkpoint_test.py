@@ -168,6 +168,40 @@ def test_logits_match_transformers(converted, family):
   assert max_abs < TOLERANCE, f"{family}: max |logits diff| {max_abs:.3g} (KL {kl:.3g})"
 
 
+@pytest.mark.parametrize("family", ["gemma3", "deepseek", "qwen3_moe"])
+def test_step0_training_loss_is_transformers_cross_entropy(converted, family):
+  """train_step's loss (without auxiliary terms) on the converted params equals transformers' loss with labels."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  from MaxText import train_step  # pylint: disable=import-outside-toplevel
+
+  hf_dir, maxtext_dir = converted(family)
+  tokens = logit_check.random_tokens(TINY["vocab_size"])  # (B, T): T - 1 inputs and their next tokens
+  model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+  with torch.no_grad():
+    ids = torch.from_numpy(np.asarray(tokens)).long()
+    expected = float(model(ids, labels=ids).loss)
+  length = tokens.shape[1] - 1
+  config, ours, params = logit_check.converted_model(
+    os.path.join(maxtext_dir, converter.MODEL_YML),
+    os.path.join(maxtext_dir, converter.PARAMS_DIR),
+    length,
+    load_balance_loss_weight=0.0,
+  )
+  positions = np.broadcast_to(np.arange(length, dtype=np.int32), (tokens.shape[0], length))
+  ones = np.ones_like(positions)
+  batch = dict(
+    inputs=tokens[:, :-1],
+    targets=tokens[:, 1:],
+    inputs_position=positions,
+    inputs_segmentation=ones,
+    targets_segmentation=ones,
+  )
+  with jax.default_matmul_precision("float32"):
+    loss, aux = train_step.loss_fn(ours, config, params, batch, jax.random.PRNGKey(0), train=True)
+  assert float(loss / aux.weights) == pytest.approx(expected, rel=1e-4)
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_round_trips_are_bitwise(converted, family, tmp_path):
   hf_dir, maxtext_dir = converted(family)
@@ -396,6 +430,62 @@ def test_gemma3_multimodal_checkpoint_gives_its_text_model(tmp_path):
     logit_check.hf_logits(str(tmp_path / "hf"), tokens), _logits(str(tmp_path / "maxtext"), tokens)
   )
   assert max_abs < TOLERANCE
+
+
+def test_deepseek_config_as_the_hub_ships_it():
+  """deepseek-ai/DeepSeek-V3's config.json: rope_scaling with "type": "yarn", no head_dim, num_nextn_predict_layers;
+  its FP8 weights are refused in one line (dequantize them first)."""
+  from MaxText.hf_conversion import deepseek  # pylint: disable=import-outside-toplevel
+
+  hub = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "n_shared_experts": 1,
+    "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "qk_nope_head_dim": 128,
+    "topk_method": "noaux_tc",
+    "n_group": 8,
+    "topk_group": 4,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3,
+    "norm_topk_prob": True,
+    "scoring_func": "sigmoid",
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000,
+    "rope_scaling": {
+      "beta_fast": 32,
+      "beta_slow": 1,
+      "factor": 40,
+      "mscale": 1.0,
+      "mscale_all_dim": 1.0,
+      "original_max_position_embeddings": 4096,
+      "type": "yarn",
+    },
+    "tie_word_embeddings": False,
+    "vocab_size": 129280,
+    "num_nextn_predict_layers": 1,
+  }
+  keys = deepseek.config_to_maxtext(hub, "hub/config.json")
+  preset = converter.maxtext_config(os.path.join("MaxText", "configs", "models", "deepseek3-671b.yml"))
+  for key, value in keys.items():
+    if key not in ("mtp_num_layers", "normalize_embedding_logits"):  # the latter only matters with tied logits
+      assert value == (list(getattr(preset, key)) if isinstance(value, list) else getattr(preset, key)), key
+  assert keys["mtp_num_layers"] == 1 and keys["rope_type"] == "yarn" and keys["rope_factor"] == 40.0
+  fp8 = dict(hub, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]})
+  with pytest.raises(checkpointing.UserError, match="FP8"):
+    deepseek.config_to_maxtext(fp8, "fp8/config.json")
 
 
 def _deepseek_mtp_tensors(mtp, layer: int, moe_intermediate: int) -> dict:

@@ -227,3 +227,18 @@ def test_mtp_flops_add_a_layer_its_projection_and_logits():
   moe_layer = attention + (2 + 1) * 3 * emb * 16 + emb * 8
   depth = 2 * emb * emb + moe_layer + emb * config.vocab_size
   assert (with_mtp.learnable_tflops - plain.learnable_tflops) * 1e12 == pytest.approx(6 * 2 * depth * t, rel=1e-9)
+
+
+def test_the_latent_cache_is_smaller_than_a_full_kv_cache_by_the_expected_ratio():
+  """Per token and layer MLA caches kv_lora_rank + qk_rope_head_dim numbers; keys and values of every head would be
+  heads x (qk_nope + qk_rope + v): 12 against 4 x 18 here (576 against 40,960 for DeepSeek-V3, 1/71)."""
+  config = tiny_config(*DEEPSEEK, "scan_layers=false")
+  batch = _batch(config)
+  model = models.Transformer(config)
+  params = jax.jit(model.init)(jax.random.PRNGKey(0), batch["inputs"], batch["inputs_position"])["params"]
+  _, state = model.apply({"params": params}, batch["inputs"], batch["inputs_position"], mutable=["cache"])
+  per_token = sum(x.size for x in jax.tree.leaves(state["cache"])) / (batch["inputs"].shape[0] * config.max_target_length)
+  layers, heads = config.num_decoder_layers, config.num_query_heads
+  assert per_token == layers * (8 + 4)
+  full = layers * heads * (8 + 4 + 6)
+  assert per_token / full == pytest.approx(1 / 6)
