@@ -6,6 +6,7 @@ import os
 import numpy as np
 import yaml
 
+from MaxText import max_logging
 from MaxText.errors import UserError
 from MaxText.hf_conversion import (
   family_for_decoder_block,
@@ -101,6 +102,7 @@ def to_maxtext(hf_path: str, output_dir: str) -> str:
   checkpoint = hf_io.HFCheckpoint(hf_path)
   if family.hf_tensor_name is not None:
     checkpoint.rename(family.hf_tensor_name(hf_cfg))
+  _dequantize(hf_cfg, checkpoint, where)
   if family.checkpoint_keys is not None:
     keys = family.checkpoint_keys(keys, checkpoint.names())
   writer = maxtext_io.ParamsWriter(os.path.join(output_dir, PARAMS_DIR))  # refuses a non-empty one
@@ -127,6 +129,22 @@ def to_maxtext(hf_path: str, output_dir: str) -> str:
       bar.update(value.nbytes)
   writer.finish()
   return model_yml
+
+
+def _dequantize(hf_cfg: dict, checkpoint, where: str) -> None:
+  """Block-scaled FP8 weights (DeepSeek-V3's quantization_config) are read as bfloat16; other quantized checkpoints
+  are refused in one line."""
+  quantization = hf_cfg.get("quantization_config") or (hf_cfg.get("text_config") or {}).get("quantization_config")
+  if not quantization:
+    return
+  method, block = quantization.get("quant_method"), quantization.get("weight_block_size")
+  if method != "fp8" or not block or len(block) != 2:
+    raise UserError(
+      f"{where}: quantization_config {method} is not supported; convert an unquantized (bfloat16) copy, or FP8 with "
+      "weight_block_size (DeepSeek-V3's)"
+    )
+  count = checkpoint.dequantize_fp8(tuple(block))
+  max_logging.log(f"Reading {count} FP8 tensors with {block[0]}x{block[1]} block scales as bfloat16")
 
 
 def _check_hf_tensors(checkpoint, tensors, family, hf_path: str) -> None:

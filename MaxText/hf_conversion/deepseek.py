@@ -84,11 +84,6 @@ def _yarn_keys(hf: dict, where: str) -> dict:
 
 def config_to_maxtext(hf: dict, where: str) -> dict:
   hf_config.reject_true(hf, ("attention_bias",), where)
-  if (hf.get("quantization_config") or {}).get("quant_method") == "fp8":
-    raise UserError(
-      f"{where}: the weights are FP8 with block scales (weight_scale_inv); convert a bfloat16 copy (DeepSeek's "
-      "inference/fp8_cast_bf16.py writes one)"
-    )
   if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
     raise UserError(f"{where}: only DeepSeek-V3's routing (sigmoid scores, topk_method noaux_tc) is supported")
   if not hf.get("norm_topk_prob", True) or not hf.get("rope_interleave", True):

@@ -10,14 +10,21 @@ import numpy as np
 
 from MaxText.errors import UserError
 
-_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+_SAFETENSORS_DTYPES = {
+  "F32": "float32",
+  "F16": "float16",
+  "BF16": "bfloat16",
+  "F64": "float64",
+  "F8_E4M3": "float8_e4m3fn",  # DeepSeek-V3's weights, with block scales (HFCheckpoint.dequantize_fp8)
+}
+_SCALE_SUFFIX = "_scale_inv"
 _MAX_SHARD_BYTES = 4 * 2**30  # shards of at most 4 GiB, as transformers' save_pretrained does (5 GB)
 
 
 def _np_dtype(name: str) -> np.dtype:
-  import ml_dtypes  # pylint: disable=import-outside-toplevel  # numpy has no bfloat16
+  import ml_dtypes  # pylint: disable=import-outside-toplevel  # numpy has no bfloat16 or float8
 
-  return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+  return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
 
 
 class SafetensorsFile:
@@ -94,6 +101,8 @@ class HFCheckpoint:
       raise UserError(f"{path} holds no model weights (model*.safetensors or pytorch_model*.bin)")
     self._where = {}  # tensor name -> file
     self._stored = {}  # a renamed tensor's name -> its name in the file (rename)
+    self._scales = {}  # an FP8 tensor's name -> its block scales' name (dequantize_fp8)
+    self._block = None
     self._handles = {}
     for name in files:
       for key in self._open(name).keys():
@@ -122,11 +131,28 @@ class HFCheckpoint:
         self._handles[name] = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
     return self._handles[name]
 
+  def dequantize_fp8(self, block: tuple[int, int]) -> int:
+    """Reads each tensor X that has block scales X_scale_inv (DeepSeek-V3's FP8 layout) as bfloat16
+    X * scale_inv[i // block[0], j // block[1]], as DeepSeek's own fp8_cast_bf16.py does; hides the scales.
+    Returns the number of such tensors."""
+    for name in list(self._where):
+      if name.endswith(_SCALE_SUFFIX) and name.removesuffix(_SCALE_SUFFIX) in self._where:
+        self._scales[name.removesuffix(_SCALE_SUFFIX)] = name
+    self._block = tuple(block)
+    return len(self._scales)
+
+  def _dequantized(self, name: str) -> np.ndarray:
+    weight = self._read(name).astype(np.float32)
+    scale = self._read(self._scales[name]).astype(np.float32)
+    rows, cols = self._block
+    expanded = np.repeat(np.repeat(scale, rows, axis=0), cols, axis=1)[: weight.shape[0], : weight.shape[1]]
+    return (weight * expanded).astype(_np_dtype("bfloat16"))
+
   def names(self) -> list[str]:
-    return list(self._where)
+    return [name for name in self._where if name not in self._scales.values()]
 
   def __contains__(self, name: str) -> bool:
-    return name in self._where
+    return name in self._where and name not in self._scales.values()
 
   def shape(self, name: str) -> tuple:
     handle, name = self._open(self._where[name]), self._stored.get(name, name)
@@ -135,12 +161,17 @@ class HFCheckpoint:
     return tuple(handle[name].shape)
 
   def dtype(self, name: str) -> np.dtype:
+    if name in self._scales:
+      return _np_dtype("bfloat16")
     handle, name = self._open(self._where[name]), self._stored.get(name, name)
     if self.format == "safetensors":
       return handle.dtype(name)
     return _np_dtype(str(handle[name].dtype).removeprefix("torch."))
 
   def get(self, name: str) -> np.ndarray:
+    return self._dequantized(name) if name in self._scales else self._read(name)
+
+  def _read(self, name: str) -> np.ndarray:
     handle, name = self._open(self._where[name]), self._stored.get(name, name)
     if self.format == "safetensors":
       return handle.get(name)

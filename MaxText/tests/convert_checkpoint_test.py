@@ -433,8 +433,7 @@ def test_gemma3_multimodal_checkpoint_gives_its_text_model(tmp_path):
 
 
 def test_deepseek_config_as_the_hub_ships_it():
-  """deepseek-ai/DeepSeek-V3's config.json: rope_scaling with "type": "yarn", no head_dim, num_nextn_predict_layers;
-  its FP8 weights are refused in one line (dequantize them first)."""
+  """deepseek-ai/DeepSeek-V3's config.json: rope_scaling with "type": "yarn", no head_dim, num_nextn_predict_layers."""
   from MaxText.hf_conversion import deepseek  # pylint: disable=import-outside-toplevel
 
   hub = {
@@ -483,9 +482,47 @@ def test_deepseek_config_as_the_hub_ships_it():
     if key not in ("mtp_num_layers", "normalize_embedding_logits"):  # the latter only matters with tied logits
       assert value == (list(getattr(preset, key)) if isinstance(value, list) else getattr(preset, key)), key
   assert keys["mtp_num_layers"] == 1 and keys["rope_type"] == "yarn" and keys["rope_factor"] == 40.0
-  fp8 = dict(hub, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]})
-  with pytest.raises(checkpointing.UserError, match="FP8"):
-    deepseek.config_to_maxtext(fp8, "fp8/config.json")
+
+
+def test_deepseek_fp8_block_scaled_weights_read_as_bfloat16(tmp_path):
+  """DeepSeek-V3 ships FP8 (e4m3) projections with weight_scale_inv per 128 x 128 block (16 x 16 here): they convert
+  to bfloat16 w * scale_inv, as DeepSeek's fp8_cast_bf16.py does; the logits match transformers on those weights."""
+  from safetensors.torch import save_file  # pylint: disable=import-outside-toplevel
+
+  hf_dir = build_hf_model(str(tmp_path / "hf"), "deepseek")
+  tensors, block = _safetensors(hf_dir), 16
+  dequantized = {}
+  for name, weight in list(tensors.items()):
+    if not name.endswith("proj.weight") or weight.ndim != 2:
+      continue
+    rows, cols = -(-weight.shape[0] // block), -(-weight.shape[1] // block)
+    padded = torch.zeros(rows * block, cols * block)
+    padded[: weight.shape[0], : weight.shape[1]] = weight
+    blocks = padded.reshape(rows, block, cols, block)
+    scale = blocks.abs().amax(dim=(1, 3)) / 448.0  # e4m3's largest normal
+    full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[: weight.shape[0], : weight.shape[1]]
+    quantized = (weight / full).to(torch.float8_e4m3fn)
+    tensors[name], tensors[name + "_scale_inv"] = quantized, scale.float()
+    dequantized[name] = (quantized.float() * full).to(torch.bfloat16).float()
+  save_file(tensors, os.path.join(hf_dir, "model.safetensors"))
+  with open(os.path.join(hf_dir, "config.json"), encoding="utf-8") as f:
+    config = json.load(f)
+  config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [block, block]}
+  with open(os.path.join(hf_dir, "config.json"), "w", encoding="utf-8") as f:
+    json.dump(config, f)
+  converter.to_maxtext(hf_dir, str(tmp_path / "maxtext"))
+
+  reference = build_hf_model(str(tmp_path / "reference"), "deepseek")  # the same random weights (same seed)
+  save_file({**_safetensors(reference), **dequantized}, os.path.join(reference, "model.safetensors"))
+  tokens = logit_check.random_tokens(TINY["vocab_size"])
+  expected = logit_check.hf_logits(reference, tokens)
+  max_abs, _ = logit_check.compare(expected, _logits(str(tmp_path / "maxtext"), tokens))
+  assert max_abs < TOLERANCE, max_abs
+  wrong = dict(config, quantization_config={"quant_method": "gptq", "bits": 4})
+  with open(os.path.join(hf_dir, "config.json"), "w", encoding="utf-8") as f:
+    json.dump(wrong, f)
+  with pytest.raises(checkpointing.UserError, match="quantization_config gptq is not supported"):
+    converter.to_maxtext(hf_dir, str(tmp_path / "maxtext_gptq"))
 
 
 def _deepseek_mtp_tensors(mtp, layer: int, moe_intermediate: int) -> dict:
