@@ -70,6 +70,11 @@ SECTIONS = {
       range=Range(says="a number (<= 0: dropless; > 0: tokens per expert x that factor)"),
       acts_with=_MOE,
     ),
+    "moe_dispatch": Key(
+      "Dropless experts: gather (each device gathers all weights) | all_to_all (tokens go to their experts' devices).",
+      choices=("gather", "all_to_all"),
+      acts_with=_MOE,
+    ),
     "load_balance_loss_weight": Key(
       "Weight of the router's load-balancing loss in the training loss (not in eval loss).",
       range=NON_NEGATIVE,

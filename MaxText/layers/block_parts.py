@@ -107,6 +107,7 @@ def moe(config, name: str = "MoeBlock_0") -> MoeBlock:
     capacity_factor=config.capacity_factor,
     dtype=config.dtype,
     weight_dtype=config.weight_dtype,
+    dispatch=config.moe_dispatch,
     name=name,
   )
 

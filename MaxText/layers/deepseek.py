@@ -67,6 +67,7 @@ class DeepSeekMoeLayer(DeepSeekDenseLayer):
       activations=tuple(cfg.mlp_activations),
       dtype=cfg.dtype,
       weight_dtype=cfg.weight_dtype,
+      dispatch=cfg.moe_dispatch,
       name="MoeBlock_0",
     )(x, segment_ids)
 

@@ -63,6 +63,7 @@ class DeepSeekMoeBlock(nn.Module):
     shared_experts: S, the shared experts fused into one MLP (n_shared_experts); 0 for none.
     n_routing_groups, topk_routing_group: n_group and topk_group of the group-limited routing.
     capacity_factor: <= 0 dropless, else the per-sequence expert capacity as MoeBlock.
+    dispatch: the dropless dispatch as MoeBlock's (config.moe_dispatch: gather | all_to_all).
   """
 
   num_experts: int
@@ -77,6 +78,7 @@ class DeepSeekMoeBlock(nn.Module):
   activations: Sequence[str]
   dtype: str
   weight_dtype: str
+  dispatch: str = "gather"
 
   @nn.compact
   def __call__(self, x, segment_ids):
@@ -99,7 +101,15 @@ class DeepSeekMoeBlock(nn.Module):
     self.sow("intermediates", moe.SEQ_PROB_PER_EXPERT, seq_prob_per_expert)
 
     y = moe.routed_experts(
-      self, x, weights, experts, self.num_experts, self.intermediate_dim, self.activations, self.capacity_factor
+      self,
+      x,
+      weights,
+      experts,
+      self.num_experts,
+      self.intermediate_dim,
+      self.activations,
+      self.capacity_factor,
+      self.dispatch,
     )
     if self.shared_experts > 0:
       shared = MlpBlock(

@@ -10,9 +10,11 @@ Two dispatch strategies, chosen by `capacity_factor`:
 - dropless (capacity_factor <= 0, the default): every token reaches its k experts. The (token, expert) pairs
   of a device's tokens are sorted by expert and multiplied group by group with `jax.lax.ragged_dot`
   (a grouped matmul that XLA lowers natively on TPU): k/num_experts of the dense FLOPs, activations
-  (tokens * k, mlp). It runs under shard_map over the batch (and length) mesh axes: tokens stay on their
-  device, the expert weights are gathered per layer like FSDP, and the mlp dim keeps its tensor sharding
-  (partial outputs are summed over those axes).
+  (tokens * k, mlp). It runs under shard_map over the batch (and length) mesh axes, and the mlp dim keeps its
+  tensor sharding (partial outputs are summed over those axes). `moe_dispatch` says what moves:
+  gather (the default): tokens stay on their device, the expert weights are gathered per layer like FSDP;
+  all_to_all: the expert weights stay sharded over the `expert` axis and the pairs travel to their experts' devices
+  and back (moe_dispatch.py).
 - capacity (capacity_factor > 0): each sequence sends at most C = int(T * k / num_experts * capacity_factor)
   tokens to an expert (upstream MaxText's semantics: earlier tokens first, a token's choices in rank order;
   a dropped choice contributes nothing and the kept weights are not renormalised). Tokens are gathered into
@@ -30,7 +32,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from MaxText.layers import initializers, mesh_specs
+from MaxText.layers import initializers, mesh_specs, moe_dispatch
 from MaxText.layers.linears import ACTIVATIONS, DenseGeneral
 
 # Names of the per-layer routing statistics sown into the "intermediates" collection.
@@ -153,6 +155,13 @@ def _gated(h_parts, activations):
   return functools.reduce(operator.mul, [ACTIVATIONS[a](h) for a, h in zip(activations, h_parts)])
 
 
+def _expert_mlp(grouped, wi, wo, group_sizes, activations):
+  """The gated MLPs of experts on rows grouped by expert: grouped (R, D), wi [(E, D, M)], wo (E, M, D) -> (R, D)."""
+  h = _gated([jax.lax.ragged_dot(grouped, w, group_sizes) for w in wi], activations)  # (R, M)
+  h = checkpoint_name(h, "mlpwi")
+  return jax.lax.ragged_dot(h, wo, group_sizes)
+
+
 def _dropless_local(x, weights, experts, wi, wo, activations, psum_axes):
   """Sorted grouped matmuls on one device's tokens. x (b, t, D); weights, experts (b, t, k); wi [(E, D, M)]."""
   batch, length, dim = x.shape
@@ -162,16 +171,18 @@ def _dropless_local(x, weights, experts, wi, wo, activations, psum_axes):
   order = jnp.argsort(flat_experts, stable=True)
   grouped = x.reshape(-1, dim)[order // k]  # (n*k, D) grouped by expert
   group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
-  h = _gated([jax.lax.ragged_dot(grouped, w, group_sizes) for w in wi], activations)  # (n*k, M)
-  h = checkpoint_name(h, "mlpwi")
-  out = jax.lax.ragged_dot(h, wo, group_sizes)  # (n*k, D)
+  out = _expert_mlp(grouped, wi, wo, group_sizes, activations)  # (n*k, D)
   out = out[jnp.argsort(order)].reshape(batch, length, k, dim)  # back to (token, rank) order
   y = jnp.einsum("btkd,btk->btd", out, weights.astype(out.dtype))
   return jax.lax.psum(y, psum_axes) if psum_axes else y
 
 
-def dropless(x, weights, experts, wi, wo, activations):
-  """Dropless MoE over the current mesh (plain local computation outside a mesh). Shapes as _dropless_local."""
+def dropless(x, weights, experts, wi, wo, activations, dispatch: str = "gather"):
+  """Dropless MoE over the current mesh (plain local computation outside a mesh). Shapes as _dropless_local.
+
+  dispatch: "gather" (each device gathers all experts' weights) or "all_to_all" (the tokens travel to the experts'
+  devices over the expert axes that split both the experts and the tokens; "gather" where there are none).
+  """
   mesh = jax.sharding.get_abstract_mesh()
   local = functools.partial(_dropless_local, activations=activations)
   if mesh.empty:
@@ -189,7 +200,24 @@ def dropless(x, weights, experts, wi, wo, activations):
   # The mlp dim stays sharded over the axes that do not already split the tokens; outputs are summed over them.
   mlp_axes = mesh_specs.dividing_axes([a for a in mesh_specs.as_tuple(mlp_spec) if a not in token_axes], wo.shape[1], shape)
   tokens = PartitionSpec(batch_axes or None, length_axes or None)
-  w_in, w_out = PartitionSpec(None, None, mlp_axes or None), PartitionSpec(None, mlp_axes or None, None)
+  num_experts = wo.shape[0]
+  exp_axes = mesh_specs.as_tuple(nn.logical_to_mesh_axes(("exp",))[0])
+  ep_axes = mesh_specs.dividing_axes([a for a in exp_axes if a in token_axes], num_experts, shape)
+  if dispatch == "all_to_all" and ep_axes:
+    local = functools.partial(
+      moe_dispatch.all_to_all_local,
+      expert_mlp=functools.partial(_expert_mlp, activations=activations),
+      num_experts=num_experts,
+      ep_axes=ep_axes,
+      # XLA:CPU lacks ragged-all-to-all (CPU meshes are tests); an AOT compile for TPU has TPU devices here.
+      emulate=mesh.abstract_device is not None and mesh.abstract_device.platform == "cpu",
+    )
+  else:
+    ep_axes = ()
+  w_in, w_out = (
+    PartitionSpec(ep_axes or None, None, mlp_axes or None),
+    PartitionSpec(ep_axes or None, mlp_axes or None, None),
+  )
   fn = jax.shard_map(
     functools.partial(local, psum_axes=mlp_axes),
     in_specs=(tokens, tokens, tokens, [w_in] * len(wi), w_out),
@@ -224,12 +252,20 @@ def with_capacity(x, weights, experts, wi, wo, activations, capacity_factor: flo
 
 
 def routed_experts(
-  module, x, weights, experts, num_experts: int, intermediate_dim: int, activations, capacity_factor: float
+  module,
+  x,
+  weights,
+  experts,
+  num_experts: int,
+  intermediate_dim: int,
+  activations,
+  capacity_factor: float,
+  dispatch: str = "gather",
 ):
   """The routed gated-MLP experts' output, declaring their kernels on `module` (called from its compact __call__).
 
   Params: wi_0.. (E, embed, mlp) one per activation, wo (E, mlp, embed), in `module.weight_dtype`, computed in
-  `module.dtype`; dropless when capacity_factor <= 0, else with_capacity.
+  `module.dtype`; dropless (with `dispatch`: gather | all_to_all) when capacity_factor <= 0, else with_capacity.
 
   Args:
     x: (B, T, D). weights, experts: (B, T, k) from a routing function.
@@ -252,7 +288,7 @@ def routed_experts(
   if capacity_factor > 0:
     y = with_capacity(x, weights, experts, wi, wo, activations, capacity_factor)
   else:
-    y = dropless(x, weights, experts, wi, wo, activations)
+    y = dropless(x, weights, experts, wi, wo, activations, dispatch)
   return checkpoint_name(y, "mlpwo")
 
 
@@ -336,6 +372,7 @@ class MoeBlock(nn.Module):
   capacity_factor: float
   dtype: str
   weight_dtype: str
+  dispatch: str = "gather"  # the dropless dispatch, config.moe_dispatch: gather | all_to_all
 
   @nn.compact
   def __call__(self, x, segment_ids):
@@ -349,5 +386,13 @@ class MoeBlock(nn.Module):
     self.sow("intermediates", TOKENS_PER_EXPERT, tokens_per_expert)
     self.sow("intermediates", ROUTER_PROB_PER_EXPERT, prob_per_expert)
     return routed_experts(
-      self, x, weights, experts, self.num_experts, self.intermediate_dim, self.activations, self.capacity_factor
+      self,
+      x,
+      weights,
+      experts,
+      self.num_experts,
+      self.intermediate_dim,
+      self.activations,
+      self.capacity_factor,
+      self.dispatch,
     )

@@ -64,6 +64,7 @@ def test_the_switches_are_those_the_companion_warnings_named():
       "num_experts",
       "num_experts_per_tok",
       "capacity_factor",
+      "moe_dispatch",
       "load_balance_loss_weight",
     ],
     "enable_dropout=true": ["dropout_rate"],
