@@ -110,8 +110,11 @@ def check_checkpoint_fits(checkpoint_params, model_params, where: str) -> None:
   problems += [f"{k}: in the checkpoint, not in the model" for k in saved if k not in wanted]
   if problems:
     more = f"; and {len(problems) - _MAX_LISTED_MISMATCHES} more" if len(problems) > _MAX_LISTED_MISMATCHES else ""
+    depths = {k.split("/")[2] for k in saved if k.startswith("params/decoder/mtp_")}
+    depths -= {k.split("/")[2] for k in wanted if k.startswith("params/decoder/mtp_")}
+    hint = f" (the checkpoint has multi-token prediction depths: set mtp_num_layers={len(depths)})" if depths else ""
     raise UserError(
-      f"checkpoint {where} does not fit the model (other dims, layer count or scan_layers?): "
+      f"checkpoint {where} does not fit the model (other dims, layer count or scan_layers?){hint}: "
       + "; ".join(problems[:_MAX_LISTED_MISMATCHES])
       + more
     )

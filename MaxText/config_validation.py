@@ -107,10 +107,10 @@ def _check_deepseek(v):
       f"{v['base_num_decoder_layers']}"
     )
   experts, groups, chosen = v["num_experts"], v["n_routing_groups"], v["topk_routing_group"]
-  if experts % groups or chosen > groups:
-    raise ConfigError(
-      f"n_routing_groups={groups} must divide num_experts={experts}, and topk_routing_group={chosen} must not exceed it"
-    )
+  if experts % groups:
+    raise ConfigError(f"n_routing_groups={groups} must divide num_experts={experts}")
+  if chosen > groups:
+    raise ConfigError(f"topk_routing_group={chosen} must not exceed n_routing_groups={groups}")
   if v["num_experts_per_tok"] > chosen * experts // groups:
     raise ConfigError(
       f"num_experts_per_tok={v['num_experts_per_tok']} exceeds the experts of topk_routing_group={chosen} groups "

@@ -57,13 +57,13 @@ def main(argv: list[str]) -> None:
       config = converter.maxtext_config(model_yml)
       logit_check.check(args.hf_path, model_yml, os.path.join(args.output_dir, converter.PARAMS_DIR), config.vocab_size)
   else:
+    model_yml = os.path.join(args.maxtext_dir, converter.MODEL_YML)
+    if args.check_logits and not os.path.isfile(model_yml):  # refused before anything is written
+      raise UserError("--check_logits with a run directory is not supported; check the HF output with to_maxtext instead")
     converter.to_hf(args.maxtext_dir, args.output_dir)
     print(f"Wrote {args.output_dir}", flush=True)
     if args.check_logits:
       config, params_dir = converter.load_maxtext_dir(args.maxtext_dir)
-      model_yml = os.path.join(args.maxtext_dir, converter.MODEL_YML)
-      if not os.path.isfile(model_yml):
-        raise UserError("--check_logits with a run directory is not supported; check the HF output with to_maxtext instead")
       logit_check.check(args.output_dir, model_yml, params_dir, config.vocab_size)
 
 

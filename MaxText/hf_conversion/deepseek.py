@@ -116,6 +116,8 @@ def config_to_maxtext(hf: dict, where: str) -> dict:
     "v_head_dim": hf_config.require(hf, "v_head_dim", where),
     "mtp_num_layers": hf.get("num_nextn_predict_layers") or 0,
   }
+  if hf.get("aux_loss_alpha") is not None:  # DeepSeek's own config.json: the sequence-wise balance loss's weight
+    keys["load_balance_loss_weight"] = float(hf["aux_loss_alpha"])
   keys.update(_yarn_keys(hf, where))
   return keys
 

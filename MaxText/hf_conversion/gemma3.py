@@ -9,6 +9,7 @@ to_maxtext also reads the text model of a multimodal checkpoint (Gemma3ForCondit
 4b, 12b and 27b); to_hf writes a text-only Gemma3ForCausalLM.
 """
 
+from MaxText import max_logging
 from MaxText.errors import UserError
 from MaxText.hf_conversion import gemma, gemma2, hf_config, qwen3
 from MaxText.hf_conversion.tables import Family
@@ -48,6 +49,7 @@ def text_tensor_name(hf: dict):
   hidden, as is a tied lm_head. A text-only checkpoint keeps its names."""
   if hf.get("model_type") != "gemma3":
     return lambda name: name
+  max_logging.log("Converting the text model of this Gemma3ForConditionalGeneration; its vision tower is left out")
 
   def rename(name: str):
     for prefix in ("language_model.model.", "model.language_model."):

@@ -154,7 +154,7 @@ def test_flops_count_latent_attention_and_the_active_experts():
   "args,message",
   [
     (["n_routing_groups=3"], "n_routing_groups=3 must divide num_experts=8"),
-    (["topk_routing_group=5"], "topk_routing_group=5 must not exceed it"),
+    (["topk_routing_group=5"], "topk_routing_group=5 must not exceed n_routing_groups=4"),
     (["num_experts_per_tok=5", "topk_routing_group=2"], "num_experts_per_tok=5 exceeds the experts of"),
     (["first_num_dense_layers=4"], "first_num_dense_layers=4 must not exceed base_num_decoder_layers=3"),
     (["quantization=int8"], "quantization=int8 is not supported with decoder_block=deepseek"),
@@ -207,6 +207,7 @@ def test_mtp_depth_sees_no_token_past_the_one_it_is_given():
   assert not np.allclose(after[:, 8], before[:, 8])
 
 
+@pytest.mark.slow  # 18 s: the gradient's compile
 def test_mtp_weight_zero_gives_the_plain_loss_and_no_gradient_to_the_depths():
   config = tiny_config(*DEEPSEEK, "mtp_num_layers=1", "mtp_loss_scaling_factor=0", "load_balance_loss_weight=0")
   setup, state = _state(config)
@@ -242,3 +243,25 @@ def test_the_latent_cache_is_smaller_than_a_full_kv_cache_by_the_expected_ratio(
   assert per_token == layers * (8 + 4)
   full = layers * heads * (8 + 4 + 6)
   assert per_token / full == pytest.approx(1 / 6)
+
+
+def test_a_checkpoint_with_mtp_depths_names_the_key_a_run_without_them_needs():
+  from MaxText import checkpointing  # pylint: disable=import-outside-toplevel
+
+  shape = jax.ShapeDtypeStruct((4,), jnp.float32)
+  saved = {"decoder": {"decoder_norm": {"scale": shape}, "mtp_1": {"norm": {"scale": shape}}}}
+  wanted = {"decoder": {"decoder_norm": {"scale": shape}}}
+  with pytest.raises(checkpointing.UserError, match=r"multi-token prediction depths: set mtp_num_layers=1\)"):
+    checkpointing.check_checkpoint_fits(saved, wanted, "run/checkpoints/4")
+
+
+def test_latent_attention_kernels_are_sharded_like_embed():
+  """q_lora and kv_lora (the low-rank dims) have rules: no MLA kernel is left whole on every fsdp device."""
+  config = tiny_config(*DEEPSEEK)
+  batch = _batch(config)
+  boxed = jax.eval_shape(models.Transformer(config).init, jax.random.PRNGKey(0), batch["inputs"], batch["inputs_position"])
+  attention = nn.get_partition_spec(boxed)["params"]["decoder"]["moe_layers"]["self_attention"]
+  for name in ("wq_a", "wq_b", "wkv_a", "wkv_b", "out"):
+    spec = nn.logical_to_mesh_axes(attention[name]["kernel"], config.logical_axis_rules)
+    axes = [a for part in spec if part for a in (part if isinstance(part, tuple) else (part,))]
+    assert "fsdp" in axes, (name, spec)
