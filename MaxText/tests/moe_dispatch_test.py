@@ -112,6 +112,7 @@ def test_all_to_all_with_a_capacity_is_refused_in_one_line():
   )
 
 
+@pytest.mark.slow  # a TPU compile
 def test_the_real_op_compiles_for_a_tpu_topology():
   """An AOT compile for TPU traces on this CPU host: the mesh's TPU devices get ragged-all-to-all, not the
   emulation (whose all-gathers would hold every device's pairs)."""
@@ -179,6 +180,7 @@ def report(tmp_path_factory):
   return out
 
 
+@pytest.mark.slow  # the 8-device runs share one child process of about 45 s
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_expert_parallel_losses_equal_one_device(report, family, mode):
@@ -192,6 +194,7 @@ def test_expert_parallel_losses_equal_one_device(report, family, mode):
   assert wi and wi[0][0] == E // 4
 
 
+@pytest.mark.slow
 def test_all_to_all_never_holds_all_experts_weights(report):
   # An expert weight of all 8 experts, (E, embed, mlp/tensor) or (E, mlp/tensor, embed), exists only when gathered.
   whole = {"8,32,24", "8,24,32"}
