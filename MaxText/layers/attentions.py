@@ -53,10 +53,11 @@ def masked_attention(query, key, value, mask, logits_soft_cap: float = 0.0, floa
   """softmax(soft_cap(q k^T), masked) v with grouped-query heads.
 
   Args:
-    query: (B, T, Nq, D). key, value: (B, S, Nkv, D), Nq a multiple of Nkv.
+    query: (B, T, Nq, D). key: (B, S, Nkv, D). value: (B, S, Nkv, Dv), Nq a multiple of Nkv; Dv may differ from D
+      (multi-head latent attention).
     mask: (B, 1, 1, T, S) boolean, True where a query may see a key.
   Returns:
-    (B, T, Nq, D)
+    (B, T, Nq, Dv)
   """
   batch, length, num_q, head_dim = query.shape
   num_kv = key.shape[2]
@@ -68,8 +69,8 @@ def masked_attention(query, key, value, mask, logits_soft_cap: float = 0.0, floa
     logits = soft_cap(logits, logits_soft_cap)
   logits = jnp.where(mask, logits, _MASK_VALUE)
   probs = nn.softmax(logits, axis=-1).astype(value.dtype)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs, value)  # (B, T, Nkv, G, D)
-  return out.reshape(batch, length, num_q, head_dim)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, value)  # (B, T, Nkv, G, Dv)
+  return out.reshape(batch, length, num_q, value.shape[-1])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,7 +32,8 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.layers import initializers
-from MaxText.layers.attention_masks import _MASK_VALUE, attention_mask, cache_mask
+from MaxText.layers.attention_masks import attention_mask, cache_mask
+from MaxText.layers.attentions import masked_attention
 from MaxText.layers.flash_attention import flash_attention
 from MaxText.layers.linears import DenseGeneral, Gemm
 from MaxText.layers.normalizations import RMSNorm
@@ -135,28 +136,6 @@ def apply_decoupled_rope(x, positions, inv_freq, attention_factor: float = 1.0, 
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def attend(query, key, value, mask):
-  """softmax(q k^T, masked) v in float32 logits, heads grouped over the key's heads; the scale is in the query.
-
-  attentions.masked_attention, except that the value's head dim may differ from the query's (MLA's v_head_dim,
-  or the latent attention of decoding).
-
-  Args:
-    query: (B, T, Nq, Dq). key: (B, S, Nkv, Dq). value: (B, S, Nkv, Dv), Nq a multiple of Nkv.
-    mask: (B, 1, 1, T, S) boolean, True where a query may see a key.
-  Returns:
-    (B, T, Nq, Dv)
-  """
-  batch, length, num_q, head_dim = query.shape
-  num_kv = key.shape[2]
-  query = query.reshape(batch, length, num_kv, num_q // num_kv, head_dim)  # (B, T, Nkv, G, Dq)
-  logits = jnp.einsum("btkgd,bskd->bkgts", query, key).astype(jnp.float32)  # (B, Nkv, G, T, S)
-  logits = jnp.where(mask, logits, _MASK_VALUE)
-  probs = nn.softmax(logits, axis=-1).astype(value.dtype)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs, value)  # (B, T, Nkv, G, Dv)
-  return out.reshape(batch, length, num_q, value.shape[-1])
-
-
 class MLA(nn.Module):
   """Multi-head Latent Attention (module docstring), called as attentions.Attention.
 
@@ -240,7 +219,7 @@ class MLA(nn.Module):
     latent_query = jnp.concatenate([q_latent, q_rope], axis=-1)  # (B, T, N, L + R)
     latent_key = jnp.concatenate([kv_latent, k_rope], axis=-1)[:, :, None, :]  # (B, S, 1, L + R)
     mask = cache_mask(positions, self.cache_length)
-    out = attend(latent_query, latent_key, kv_latent[:, :, None, :], mask)  # (B, T, N, L)
+    out = masked_attention(latent_query, latent_key, kv_latent[:, :, None, :], mask)  # (B, T, N, L)
     return jnp.einsum("btnl,lnv->btnv", out, w_uv)  # (B, T, N, Dv)
 
   @nn.compact
@@ -282,7 +261,7 @@ class MLA(nn.Module):
       if self.attention_kernel == "flash":
         out = flash_attention(query, key, value, segment_ids)
       else:
-        out = attend(query, key, value, attention_mask(segment_ids))
+        out = masked_attention(query, key, value, attention_mask(segment_ids))
     out = checkpoint_name(out, "context")  # (B, T, N, Dv)
     out = dense(x.shape[-1], ("heads", "kv", "embed"), axis=(-2, -1), name="out")(out)
     return checkpoint_name(out, "out_proj")
