@@ -17,9 +17,9 @@ from jax.experimental import checkify
 
 from MaxText import (
   aot_targets,
-  common_types,
   compiled_step_file,
   flops,
+  hlo_ops,
   interconnect,
   max_logging,
   memory_check,
@@ -182,6 +182,7 @@ class Outcome:
   compiler_error: str = ""  # the compiler's out-of-memory message
   estimate: roofline.StepEstimate | None = None
   num_collectives: int = 0
+  num_operations: int = 0  # runs of top-level operations per step (hlo_ops)
   parse_seconds: float = 0.0
 
   @property
@@ -279,43 +280,30 @@ def compile_for_target(config) -> Outcome:
     outcome.host_bytes = int(getattr(analysis, "host_temp_size_in_bytes", 0)) + int(
       getattr(analysis, "host_argument_size_in_bytes", 0)
     )
-  cost, share = _step_cost(config, mesh, compiled)
+  text = compiled.as_text()
   comm, outcome.num_collectives, outcome.parse_seconds = interconnect.communication(
-    compiled.as_text(), target, list(mesh.devices.flat), config.num_slices
+    text, target, list(mesh.devices.flat), config.num_slices
   )
-  chip = target.chip
-  outcome.estimate = roofline.estimate(config, cost, chip.device_kind, chip.memory_bandwidth_gbps, share, comm)
+  outcome.estimate, outcome.num_operations, seconds = _estimate(config, target.chip, text, comm)
+  outcome.parse_seconds += seconds
   return outcome
+
+
+def _estimate(config, chip: aot_targets.Chip, text: str, comm) -> tuple[roofline.StepEstimate | None, int, float]:
+  """(the step-time estimate, the step's operations, the seconds reading them took) from the compiled step's text:
+  its operations one after another, with the trip counts of the loops around them (hlo_ops)."""
+  start = time.perf_counter()
+  found = hlo_ops.ops(text)
+  peak = roofline.peak_tflops(chip.device_kind)
+  serial = hlo_ops.serial_time(found, (peak or 0) * 1e12, chip.memory_bandwidth_gbps * 1e9, chip.clock_ghz * 1e9)
+  estimate = roofline.estimate(config, serial, chip.device_kind, chip.memory_bandwidth_gbps, comm)
+  return estimate, sum(op.count for op in found), time.perf_counter() - start
 
 
 def _lowered(config, mesh):
   """train.py's model, state layout and step, traced for the mesh (the compiled step's verdict covers the state)."""
   setup = train_state.build(config, mesh, check_memory=False)
   return setup, lower_train_step(setup.model, config, mesh, setup.abstract_state)
-
-
-def _step_cost(config, mesh, compiled) -> tuple[roofline.Cost | None, float]:
-  """(the step's cost per device, the layer loops' share of it); scanned layers are costed by two unrolled probes
-  (see roofline's doc); unrolled layers have no loop. With several stacks (DeepSeek) the probes hold the first
-  stacks whole and one or two blocks of the last, which is the bulk."""
-  if not config.scan_layers:
-    cost = roofline.Cost.of(compiled.cost_analysis())
-    return (cost * config.gradient_accumulation_steps if cost else None), 0.0
-  block = common_types.layers_per_block(config.decoder_block)
-  stacks = common_types.layer_stacks(config.decoder_block, config.num_decoder_layers, config.first_num_dense_layers)
-  last = list(stacks.values())[-1]
-  before = config.num_decoder_layers - last * block  # the layers of the stacks before the last, in every probe
-  probes = []
-  for blocks in (1, 2):
-    probe = config.replace(scan_layers=False, num_decoder_layers=before + blocks * block)
-    try:
-      probes.append(roofline.Cost.of(_lowered(probe, mesh)[1].compile().cost_analysis()))
-    except Exception as error:  # pylint: disable=broad-except  # an estimate must not fail the verdict
-      max_logging.warn(f"no step-time estimate: compiling a {blocks * block}-layer probe failed: {error}")
-      return None, 0.0
-  if None in probes:
-    return None, 0.0
-  return roofline.step_cost(*probes, last, config.gradient_accumulation_steps), roofline.layers_share(*probes, last)
 
 
 def _in_gib(num_bytes: int) -> str:  # the verdict's unit, whatever the size
@@ -379,6 +367,9 @@ def report(outcome: Outcome) -> list[str]:
   lines.append(verdict(outcome))
   lines.append(flops.describe(flops.training_tflops_per_device(config)))
   if outcome.estimate is not None:
-    lines.append(f"Collectives: {outcome.num_collectives} in the compiled step, read in {outcome.parse_seconds:.1f} s")
+    lines.append(
+      f"Operations: {outcome.num_operations} runs of operations and {outcome.num_collectives} collectives in the "
+      f"compiled step, read in {outcome.parse_seconds:.1f} s"
+    )
     lines += outcome.estimate.lines()
   return lines

@@ -28,6 +28,7 @@ class Chip:
   ici_link_gbps: float  # one ICI link's bandwidth each way, GB/s (NVLink through NVSwitch for GPUs)
   ici_links: int  # ICI links per chip
   dcn_gbps: float  # the chip's share of its host's network bandwidth between slices (hosts), GB/s each way
+  clock_ghz: float = 0.0  # the clock that the TPU compiler's estimated_cycles count (hlo_ops); 0: none
 
 
 # TPU memory is what the TPU compiler lets one program use (libtpu 0.0.42 says so in its out-of-memory errors),
@@ -45,11 +46,16 @@ class Chip:
 #   h100 (a3): NVLink 4 gives 900 GB/s per GPU both ways together (NVIDIA H100 datasheet), 450 GB/s each way through
 #       NVSwitch to any GPU of the host; A3 Mega hosts have 8 x 200 Gbps NICs, 25 GB/s per GPU.
 #   cpu: no real links: rough figures, so that cpu-N estimates stay comparable.
+# Clock: the bf16 peak over the MXUs' multiply-adds per cycle (2 FLOPs each), from the same pages' "TensorCores per
+# chip" and "MXUs per TensorCore": v4 275 TFLOP/s / (2 TCs x 4 MXUs x 128 x 128 x 2) = 1.05 GHz (the clock of the
+# TPU v4 paper, Jouppi et al., ISCA 2023); v5e 197 / (1 x 4 x 128^2 x 2) = 1.50 GHz; v5p 459 / (2 x 4 x 128^2 x 2)
+# = 1.75 GHz; v6e 918 / (1 x 2 x 256^2 x 2) = 3.50 GHz. The compiler's cycle estimate for a large matmul fusion
+# agrees: a 60 GFLOP one of the 22B step on v4 is 241,986 cycles, 95% of peak at 1.05 GHz.
 CHIPS = {
-  "v4": Chip("TPU v4", int(30.75 * GIB), 1228.0, 46.9, 6, 3.125),
-  "v5e": Chip("TPU v5 lite", int(15.75 * GIB), 819.0, 50.0, 4, 3.125),
-  "v5p": Chip("TPU v5", int(95.74 * GIB), 2765.0, 100.0, 6, 6.25),
-  "v6e": Chip("TPU v6 lite", int(31.25 * GIB), 1640.0, 100.0, 4, 3.125),
+  "v4": Chip("TPU v4", int(30.75 * GIB), 1228.0, 46.9, 6, 3.125, 1.05),
+  "v5e": Chip("TPU v5 lite", int(15.75 * GIB), 819.0, 50.0, 4, 3.125, 1.5),
+  "v5p": Chip("TPU v5", int(95.74 * GIB), 2765.0, 100.0, 6, 6.25, 1.75),
+  "v6e": Chip("TPU v6 lite", int(31.25 * GIB), 1640.0, 100.0, 4, 3.125, 3.5),
   "h100": Chip("NVIDIA H100 80GB HBM3", 80 * 10**9, 3350.0, 450.0, 1, 25.0),
   "cpu": Chip("cpu", None, 20.0, 10.0, 1, 1.0),
 }

@@ -1,65 +1,25 @@
-"""A predicted step time and MFU for a compiled train step: compute, memory traffic and communication.
+"""A predicted step time and MFU for a compiled train step: its operations one after another, and communication.
 
-- Compute: the compiled program's FLOPs at the chip's peak. Memory: its bytes of HBM traffic at the HBM bandwidth.
-  The two overlap (the larger is the roofline of the computation).
+- Computation: every operation of the compiled program (hlo_ops: each fusion, custom kernel, copy, ... with the
+  trip counts of the loops around it) takes the TPU compiler's own cycle estimate at the chip's clock, or else the
+  roofline max(FLOPs / peak, bytes / HBM bandwidth) of its own FLOPs and bytes; the TensorCore runs them one at a
+  time, so their times add up. A memory-bound fusion (a norm, the rotary embedding, the optimizer's update) does not
+  hide behind the matmuls. Opaque kernels (flash attention) get the model's attention FLOPs at peak (flops.py),
+  or their bytes at bandwidth if longer. The program's FLOPs at peak are a floor (the model's, for kernels the text
+  does not describe).
 - Communication: every collective of the compiled program (hlo_collectives), with its loops' trip counts, costed on
   the target's links (interconnect: ICI rings within a slice, DCN between slices).
 - Overlap: collectives inside a loop (the scanned layers) run while the neighbouring layers compute, so only what
   exceeds the layers' share of the computation shows; collectives outside loops (the embedding's, the final
   gradient reductions across slices) are exposed and add to the step.
 
-The estimate assumes the compiler reaches the roofline on each side (every FLOP at peak, every byte at full
-bandwidth): it is a bound from first principles, not fitted to measurements.
-
-XLA's cost analysis counts the body of a loop once, whatever its trip count, and over-counts the memory
-traffic of a scanned body (it charges the stacked buffers it slices). So the cost of a scanned model comes from
-two small unrolled probes, with one and with two layer blocks: their difference is one block's cost, the rest
-is the embedding, logits and optimizer; the step costs the rest plus num_decoder_layers blocks.
-Gradient accumulation is a loop too: the step costs gradient_accumulation_steps times its microbatch's program
-(which counts the optimizer's update that many times: a small over-estimate).
+Nothing is fitted to measured runs: the figures are the compiler's cost model and the chips' published peak, clock
+and bandwidth (aot_targets.CHIPS).
 """
 
 import dataclasses
 
-from MaxText import flops
-
-
-@dataclasses.dataclass(frozen=True)
-class Cost:
-  """What one device does in a program: FLOPs and bytes of memory traffic."""
-
-  flops: float
-  bytes: float
-
-  @classmethod
-  def of(cls, cost_analysis) -> "Cost | None":
-    """From `compiled.cost_analysis()` (a dict, or a list of one dict in older jax); None without FLOPs."""
-    analysis = cost_analysis[0] if isinstance(cost_analysis, (list, tuple)) else cost_analysis
-    if not analysis or analysis.get("flops", -1) <= 0:
-      return None
-    return cls(float(analysis["flops"]), float(analysis.get("bytes accessed", 0.0)))
-
-  def __add__(self, other: "Cost") -> "Cost":
-    return Cost(self.flops + other.flops, self.bytes + other.bytes)
-
-  def __sub__(self, other: "Cost") -> "Cost":
-    return Cost(self.flops - other.flops, self.bytes - other.bytes)
-
-  def __mul__(self, factor: float) -> "Cost":
-    return Cost(self.flops * factor, self.bytes * factor)
-
-
-def step_cost(one_block: Cost, two_blocks: Cost, num_blocks: int, gradient_accumulation_steps: int) -> Cost:
-  """The whole step's cost from unrolled probes with one and two layer blocks (see the module doc)."""
-  per_block = two_blocks - one_block
-  return ((one_block - per_block) + per_block * num_blocks) * gradient_accumulation_steps
-
-
-def layers_share(one_block: Cost, two_blocks: Cost, num_blocks: int) -> float:
-  """The share of the step's FLOPs that the layer blocks do (the rest: embedding, logits, optimizer)."""
-  per_block = (two_blocks - one_block).flops * num_blocks
-  total = (one_block - (two_blocks - one_block)).flops + per_block
-  return min(max(per_block / total, 0.0), 1.0) if total > 0 else 0.0
+from MaxText import flops, hlo_ops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +47,9 @@ class StepEstimate:
   bandwidth_gbps: float
   layers_share: float = 0.0  # of the computation, in the layer loops (where collectives hide)
   comm: Communication = Communication()
+  operations_seconds: float = 0.0  # the operations one after another (hlo_ops); 0: unknown, the totals' roofline
+  compute_bound_seconds: float = 0.0  # the part of operations_seconds in compute-bound operations
+  from_cycles: float = 0.0  # the part of operations_seconds that the compiler's cycle estimates give
 
   @property
   def compute_seconds(self) -> float:
@@ -98,7 +61,16 @@ class StepEstimate:
 
   @property
   def computation_seconds(self) -> float:
-    return max(self.compute_seconds, self.memory_seconds)
+    if not self.operations_seconds:
+      return max(self.compute_seconds, self.memory_seconds)
+    return max(self.operations_seconds, self.compute_seconds)
+
+  @property
+  def memory_bound_seconds(self) -> float:
+    """The computation's time in memory-bound operations (the rest is compute-bound)."""
+    if not self.operations_seconds:
+      return self.memory_seconds
+    return max(0.0, self.operations_seconds - self.compute_bound_seconds)
 
   @property
   def exposed_loop_seconds(self) -> float:
@@ -112,8 +84,8 @@ class StepEstimate:
   @property
   def bound(self) -> str:
     parts = {
-      "compute": self.compute_seconds,
-      "memory bandwidth": self.memory_seconds,
+      "compute": self.computation_seconds - self.memory_bound_seconds if self.operations_seconds else self.compute_seconds,
+      "memory bandwidth": self.memory_bound_seconds,
       "ICI": self.comm.ici + self.comm.ici_loop,
       "DCN": self.comm.dcn + self.comm.dcn_loop,
     }
@@ -126,8 +98,16 @@ class StepEstimate:
   def lines(self) -> list[str]:
     """The breakdown, then the `Estimate ... MFU x%` line."""
     c = self.comm
+    operations = ""
+    if self.operations_seconds:
+      operations = (
+        f"operations {self.computation_seconds:.3f} s one after another "
+        f"({self.computation_seconds - self.memory_bound_seconds:.3f} s compute-bound, "
+        f"{self.memory_bound_seconds:.3f} s memory-bound; "
+        f"{100 * self.from_cycles / self.operations_seconds:.0f}% from the compiler's cycle estimates), "
+      )
     return [
-      f"Step time breakdown: compute {self.compute_seconds:.3f} s ({self.compiled_tflops:.3f} TFLOPs at "
+      f"Step time breakdown: {operations}compute {self.compute_seconds:.3f} s ({self.compiled_tflops:.3f} TFLOPs at "
       f"{self.peak_tflops:g} TFLOP/s), HBM {self.memory_seconds:.3f} s ({self.compiled_gbytes:.2f} GB at "
       f"{self.bandwidth_gbps:g} GB/s), ICI {c.ici_loop + c.ici:.3f} s ({c.ici_loop:.3f} in the layer loops), "
       f"DCN {c.dcn_loop + c.dcn:.3f} s ({c.dcn_loop:.3f} in the layer loops); the loops' collectives overlap "
@@ -138,36 +118,47 @@ class StepEstimate:
 
 def estimate(
   config,
-  cost: Cost | None,
+  serial: hlo_ops.SerialTime | None,
   device_kind: str,
   bandwidth_gbps: float,
-  layers_share: float = 0.0,
   comm: Communication | None = None,
 ) -> StepEstimate | None:
   """The estimate of one train step on one device.
 
   Args:
     config: the Config the step was compiled for.
-    cost: the step's cost per device (step_cost, or Cost.of the compiled step when it has no loops).
+    serial: the compiled step's operations one after another (hlo_ops.serial_time at this device's figures).
     device_kind: the target device's kind (flops.py knows its peak); "cpu" uses flops.CPU_TFLOPS_ESTIMATE.
     bandwidth_gbps: the device's memory bandwidth (aot_targets.Chip).
-    layers_share: the share of the computation in the layer loops (layers_share()).
-    comm: the step's communication (interconnect.step_seconds); None: none.
+    comm: the step's communication (interconnect.communication); None: none.
 
   Returns:
-    The estimate, or None without a cost or a known peak for the device.
+    The estimate, or None without operations or a known peak for the device.
   """
-  peak = flops.CPU_TFLOPS_ESTIMATE if device_kind == "cpu" else flops.peak_tflops_per_device(device_kind)
-  if cost is None or not peak:
+  peak = peak_tflops(device_kind)
+  if serial is None or not peak or serial.seconds <= 0:
     return None
-  model_tflops = flops.training_tflops_per_device(config).total_tflops
+  step_flops = flops.training_tflops_per_device(config)
+  # Opaque kernels (flash attention) hide their FLOPs from the text: the model's attention FLOPs stand for them.
+  opaque_tflops = step_flops.attention_tflops if serial.opaque else 0.0
+  opaque_seconds = max(opaque_tflops / peak, serial.opaque_bytes_seconds)
+  operations = serial.seconds + opaque_seconds
+  compute_bound = serial.compute_bound + (opaque_seconds if opaque_tflops / peak >= serial.opaque_bytes_seconds else 0)
   return StepEstimate(
-    model_tflops=model_tflops,
-    # Custom kernels (attention=flash) are opaque to the cost analysis: the model's own FLOPs are a floor.
-    compiled_tflops=max(cost.flops / 1e12, model_tflops),
-    compiled_gbytes=cost.bytes / 1e9,
+    model_tflops=step_flops.total_tflops,
+    # The model's own FLOPs are a floor: kernels that the text does not describe (GPU library calls) do them.
+    compiled_tflops=max(serial.flops / 1e12 + opaque_tflops, step_flops.total_tflops),
+    compiled_gbytes=serial.bytes / 1e9,
     peak_tflops=peak,
     bandwidth_gbps=bandwidth_gbps,
-    layers_share=layers_share,
+    layers_share=min(1.0, (serial.in_loops + (opaque_seconds if serial.opaque else 0.0)) / operations),
     comm=comm or Communication(),
+    operations_seconds=operations,
+    compute_bound_seconds=compute_bound,
+    from_cycles=serial.from_cycles,
   )
+
+
+def peak_tflops(device_kind: str) -> float | None:
+  """One device's peak TFLOP/s; "cpu": flops.CPU_TFLOPS_ESTIMATE."""
+  return flops.CPU_TFLOPS_ESTIMATE if device_kind == "cpu" else flops.peak_tflops_per_device(device_kind)
