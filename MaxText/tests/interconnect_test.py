@@ -116,6 +116,14 @@ def test_replica_groups_in_iota_form():
   assert hlo_collectives.replica_groups("replica_groups={}, to_apply=%add") == ()
 
 
+def test_replica_groups_in_mesh_form():
+  """libtpu 0.0.42 writes replica_groups=mesh[...] {axes}: the devices that differ only along those axes."""
+  mesh = "replica_groups=mesh['axis_0'=4,'axis_1'=2] "
+  assert hlo_collectives.replica_groups(mesh + "{'axis_0'}, dimensions={1}") == ((0, 2, 4, 6), (1, 3, 5, 7))
+  assert hlo_collectives.replica_groups(mesh + "{'axis_1'}, x") == ((0, 1), (2, 3), (4, 5), (6, 7))
+  assert hlo_collectives.replica_groups(mesh + "{'axis_0','axis_1'}, x") == (tuple(range(8)),)
+
+
 def test_collectives_in_loops_hide_behind_the_layers_and_the_rest_add():
   base = dict(model_tflops=80.0, compiled_tflops=100.0, compiled_gbytes=10.0, peak_tflops=100.0, bandwidth_gbps=100.0)
   hidden = roofline.StepEstimate(**base, layers_share=0.9, comm=roofline.Communication(ici_loop=0.5))
