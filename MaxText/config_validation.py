@@ -156,10 +156,6 @@ def _check_mesh(v):
         fills.append(key)
     if len(fills) > 1:
       raise ConfigError(f"only one {prefix}_*_parallelism may be -1, got {', '.join(fills)}")
-  if v["ici_pipeline_parallelism"] > 1 or v["dcn_pipeline_parallelism"] > 1:
-    raise ConfigError(
-      "ici_pipeline_parallelism/dcn_pipeline_parallelism > 1: pipeline parallelism is not implemented yet; use 1"
-    )
   sharding = v["data_sharding"]
   if not (isinstance(sharding, list) and len(sharding) == 1 and isinstance(sharding[0], list)):
     raise ConfigError(f"data_sharding={sharding} must be a list holding one list of mesh axes, e.g. [[data, fsdp]]")

@@ -16,7 +16,7 @@ import numpy as np
 from etils import epath
 from jax.sharding import NamedSharding, PartitionSpec
 
-from MaxText import checkpointing, max_logging, sampling, serving_checkpoint, sharding, train_state
+from MaxText import checkpointing, max_logging, pipeline_schedule, sampling, serving_checkpoint, sharding, train_state
 from MaxText.errors import UserError
 from MaxText.layers import context_parallel
 
@@ -36,6 +36,11 @@ def build(config, mesh):
     raise UserError(
       "decoding does not run with context parallelism (it trains long sequences): set ici_context_parallelism=1 and "
       "dcn_context_parallelism=1 for decode.py; the checkpoint loads on any mesh"
+    )
+  if pipeline_schedule.stages(config.get_keys()) > 1:
+    raise UserError(
+      "decoding does not run with pipeline parallelism (it trains): set ici_pipeline_parallelism=1 and "
+      "dcn_pipeline_parallelism=1 for decode.py; a pipelined run's checkpoint loads on any mesh"
     )
   setup = train_state.build(config, mesh, params_only=True)
   return setup.model, setup.abstract_state.params

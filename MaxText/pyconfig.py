@@ -22,6 +22,7 @@ from MaxText import (
   config_schema,
   config_validation,
   max_logging,
+  pipeline_schedule,
   tokenizer_assets,
   xla_flag_presets,
 )
@@ -381,6 +382,11 @@ def _derive_device_values(values, sources, devices):
   _set(values, sources, "micro_batch_size_to_load", micro_load)
   _set(values, sources, "global_batch_size_to_train_on", micro_train * ga)
   _set(values, sources, "global_batch_size_to_load", micro_load * ga)
+  schedule = pipeline_schedule.resolve(values)
+  if schedule is not None:
+    pipeline_schedule.microbatch_shards(values, schedule, mesh_shape)
+    _set(values, sources, "num_pipeline_repeats", schedule.repeats)
+    _set(values, sources, "num_pipeline_microbatches", schedule.microbatches)
 
 
 def _check_wgrad_shards(values, num_slices: int, rows: int):

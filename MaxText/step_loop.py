@@ -15,6 +15,7 @@ from MaxText import (
   metric_logger,
   metrics_file,
   peer_monitor,
+  pipeline_layout,
   preemption,
   sharding,
   train_step,
@@ -33,7 +34,8 @@ def run_steps(
 
   Args:
     config, mesh, model: the run's (train.py).
-    state: the restored or fresh train state, on state_shardings.
+    state: the restored or fresh train state, on state_shardings, in the pipeline's memory order (pipeline_layout);
+      the state returned is in the model's order.
     state_shardings: the state's shardings (the eval step takes the params on theirs).
     p_train_step: the compiled step, called (state, batch) -> (new state, metrics); it donates `state`.
     data_iterator: the train batches; checkpoints save its state.
@@ -43,7 +45,7 @@ def run_steps(
   """
   loop = StepLoop(config, mesh, model, state, state_shardings, p_train_step, data_iterator, manager, goodput)
   loop.local_tier = local_tier
-  return loop.run(state)
+  return pipeline_layout.to_logical(loop.run(state), config)
 
 
 class StepLoop:
@@ -186,19 +188,25 @@ class StepLoop:
     last_step = int(state.step) - 1 if stop else step  # a stopped run's last step may have changed nothing
     if last_step not in (self.last_saved, self.start_step - 1):
       with self.diagnostics.activity("checkpoint save"):
-        blocked = checkpointing.save_checkpoint(self.manager, last_step, state, self.data_iterator, self.config.dataset_type)
+        blocked = checkpointing.save_checkpoint(
+          self.manager, last_step, self._logical(state), self.data_iterator, self.config.dataset_type
+        )
       self.goodput.phase("checkpoint_save", blocked)
       self.last_saved = last_step
       self.logger.reset_step_timer()
       max_logging.log(f"Saving the checkpoint of step {last_step} (the loop waited {blocked:.3f} s)")
     return stop
 
+  def _logical(self, state):
+    """The state as checkpoints hold it (a pipelined run holds its layers in another order: pipeline_layout)."""
+    return pipeline_layout.to_logical(state, self.config)
+
   def _save_local(self, step: int, state) -> None:
     """Saves the state after `step` to the local tier (emergency checkpoints)."""
     self._flush()  # the step's metrics line is written before its checkpoint can commit
     started = time.perf_counter()
     with self.diagnostics.activity("checkpoint save"):
-      self.local_tier.save(step, state, self.data_iterator, self.config.dataset_type)
+      self.local_tier.save(step, self._logical(state), self.data_iterator, self.config.dataset_type)
     blocked = time.perf_counter() - started
     self.goodput.phase("checkpoint_save", blocked)
     self.logger.reset_step_timer()
@@ -240,7 +248,7 @@ class StepLoop:
         self.logger.flush()  # the step's metrics line before its checkpoint, as for every save
       except Exception:  # pylint: disable=broad-except  # logging may be what failed; the checkpoint matters more
         pass
-      checkpointing.save_checkpoint(self.manager, step, state, self.data_iterator, self.config.dataset_type)
+      checkpointing.save_checkpoint(self.manager, step, self._logical(state), self.data_iterator, self.config.dataset_type)
       self.manager.wait_until_finished()
       max_logging.log(f"Saved the checkpoint of step {step} to {self.manager.directory}")
     except Exception as save_error:  # pylint: disable=broad-except

@@ -63,6 +63,8 @@ def train_loop(config):
     goodput,
     max_logging,
     peer_monitor,
+    pipeline_layout,
+    pipeline_schedule,
     step_loop,
     train_state,
   )
@@ -75,6 +77,8 @@ def train_loop(config):
   events = goodput.recorder(config)
   events.event("job_start")
   mesh = create_device_mesh(config)
+  if schedule := pipeline_schedule.resolve(config.get_keys()):
+    max_logging.log(schedule.line())
   check_eval_data(config, mesh)  # a wrong eval split, glob or file stops the run now, not at step eval_interval
   setup = train_state.build(config, mesh)
   data_iterator = create_data_iterator(config, mesh)  # data and tokenizer mistakes stop the run before the compile
@@ -98,6 +102,7 @@ def train_loop(config):
     )
     if data_state is not None:
       checkpointing.restore_data_position(config, data_iterator, data_state)
+    state = pipeline_layout.to_memory(state, config)
     done = int(state.step)
     if done > 0:
       events.phase("restore", time.perf_counter() - started)

@@ -10,7 +10,6 @@ _CACHE_LAYOUT = (
   "the attention and KV cache layouts are fixed here (batch, sequence, heads, head_dim); their sharding follows "
   "logical_axis_rules"
 )
-_PIPELINE = "pipeline parallelism is not implemented yet (ici_pipeline_parallelism and dcn_pipeline_parallelism are 1)"
 _JETSTREAM = "is for JetStream serving (MaxEngine), which this project does not ship; decode.py generates from a checkpoint"
 
 
@@ -44,10 +43,6 @@ SECTIONS = {
     "ar_cache_axis_order": Key("Upstream's KV cache layout for decoding; fixed here.", refused=_CACHE_LAYOUT),
     "compute_axis_order": Key("Upstream's attention compute layout; fixed here.", refused=_CACHE_LAYOUT),
     "reshape_q": Key("Upstream's query reshape for decoding; not needed here.", refused=_CACHE_LAYOUT),
-    "num_layers_per_pipeline_stage": Key("Pipeline parallelism: layers per stage.", refused=_PIPELINE),
-    "num_pipeline_repeats": Key("Pipeline parallelism: circular repeats; -1: derived.", refused=_PIPELINE),
-    "num_pipeline_microbatches": Key("Pipeline parallelism: microbatches; -1: the stages.", refused=_PIPELINE),
-    "scan_pipeline_iterations": Key("Pipeline parallelism: scan the iterations.", refused=_PIPELINE),
     "num_slices": Key(
       "The slices (DCN-connected groups of devices): -1 detects them; another value must match the devices.",
       range=Range(1, also=(-1,), says="-1 (detected) or a positive number of slices"),

@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText import common_types
-from MaxText.layers import block_parts, deepseek, gemma, gemma2, gemma3, gpt3, linears, quantizations
+from MaxText import common_types, pipeline_schedule
+from MaxText.layers import block_parts, deepseek, gemma, gemma2, gemma3, gpt3, linears, pipeline, quantizations
 from MaxText.layers.attention_masks import soft_cap
 from MaxText.layers.block_parts import DecoderFamily
 from MaxText.layers.default_block import DecoderLayer
@@ -177,6 +177,12 @@ class Decoder(nn.Module):
     """One stack: scanned as decoder/<stack> (params stacked on param_scan_axis), or unrolled as <stack>_i."""
     cfg = self.config
     block = self._block_stack(stack, cfg.scan_layers)
+    schedule = pipeline_schedule.resolve(cfg.get_keys())
+    if schedule is not None and not self.is_initializing():
+      layer = self._block_stack(stack, scanned=False)(config=cfg, gemm=self.gemm, parent=None)
+      rng = None if deterministic else self.make_rng("dropout")
+      params = self.variables["params"][stack]
+      return pipeline.run(schedule, layer, params, y, positions, segment_ids, deterministic, rng, cfg)
     if not cfg.scan_layers:
       for i in range(blocks):
         y = block(config=cfg, gemm=self.gemm, name=f"{stack}_{i}")(y, positions, segment_ids, deterministic, offset + i)

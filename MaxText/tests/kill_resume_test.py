@@ -52,14 +52,18 @@ def _launch(command, devices, kill_at_step=None, fault=None):
   return proc.returncode, stderr
 
 
+# A pipeline of 2 stages x 2 repeats holds its layers reordered in memory (pipeline_layout); its checkpoints do not.
+PIPELINED = ("base_num_decoder_layers=4", "ici_pipeline_parallelism=2", "num_pipeline_repeats=2")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("devices,per_device_batch", [(1, 8), (8, 1)])
-def test_killed_and_restarted_run_matches_an_uninterrupted_one(tmp_path, devices, per_device_batch):
-  reference = _command(tmp_path, "reference", per_device_batch)
+@pytest.mark.parametrize("devices,per_device_batch,extra", [(1, 8, ()), (8, 1, ()), (8, 1, PIPELINED)])
+def test_killed_and_restarted_run_matches_an_uninterrupted_one(tmp_path, devices, per_device_batch, extra):
+  reference = _command(tmp_path, "reference", per_device_batch, *extra)
   code, stderr = _launch(reference, devices)
   assert code == 0, stderr[-3000:]
 
-  command = _command(tmp_path, "killed", per_device_batch)
+  command = _command(tmp_path, "killed", per_device_batch, *extra)
   for kill_at, fault in ((5, None), (23, None), (None, "kill_during_save:30")):
     code, stderr = _launch(command, devices, kill_at_step=kill_at, fault=fault)
     assert code == -signal.SIGKILL, f"the run was meant to be killed mid-way: {code} {stderr[-2000:]}"

@@ -1,0 +1,64 @@
+"""Keeps checkpoints free of the pipeline layout.
+
+A pipelined run holds each layer stack's params (and their optimizer state) with the layer axis in
+pipeline_schedule.Schedule.memory_order, so that the `stage` axis, which splits the layer axis into contiguous
+chunks, gives each stage exactly its layer groups. With one repeat of all layers that order is the model's own and
+nothing happens here. Otherwise the state is put in memory order after it is initialised or restored (to_memory),
+and back in the model's order for every save (to_logical), so a checkpoint is the same whatever the pipeline: it
+restores into any number of stages or none, and decode.py, convert_checkpoint.py and
+generate_param_only_checkpoint.py read it unchanged.
+
+Cost: each save and restore reorders the stack's params and optimizer state along the layer axis on the devices,
+one array at a time (its transient copy is one array, not the state), moving (stages - 1) / stages of each array
+over the stage axis.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from MaxText import pipeline_schedule
+from MaxText.common_types import STACK_NAMES
+
+
+def _schedule(config):
+  schedule = pipeline_schedule.resolve(config.get_keys())
+  return schedule if schedule is not None and schedule.reorders_layers else None
+
+
+def _in_stack(path) -> bool:
+  """Whether a state leaf belongs to a layer stack (decoder/<stack>/..., in the params or the optimizer state)."""
+  keys = [getattr(k, "key", None) for k in path]
+  return any(a == "decoder" and b in STACK_NAMES for a, b in zip(keys, keys[1:]))
+
+
+@functools.cache
+def _reorder(order: tuple[int, ...], axis: int, sharding):
+  return jax.jit(lambda x: jnp.take(x, jnp.asarray(order), axis=axis), out_shardings=sharding)
+
+
+def _reordered(tree, order: tuple[int, ...], scan_axis: int):
+  def one(path, x):
+    if not _in_stack(path) or not hasattr(x, "sharding"):
+      return x
+    return _reorder(order, scan_axis if x.ndim > 1 else 0, x.sharding)(x)
+
+  return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def to_memory(state, config):
+  """A state in the model's layer order (fresh or restored) -> the pipelined run's memory order."""
+  schedule = _schedule(config)
+  if schedule is None:
+    return state
+  return _reordered(state, schedule.memory_order(), config.param_scan_axis)
+
+
+def to_logical(state, config):
+  """The pipelined run's state -> the model's layer order, as checkpoints hold it."""
+  schedule = _schedule(config)
+  if schedule is None:
+    return state
+  return _reordered(state, tuple(np.argsort(schedule.memory_order()).tolist()), config.param_scan_axis)

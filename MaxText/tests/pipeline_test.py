@@ -1,0 +1,215 @@
+"""Pipeline parallelism (mesh axis stage): the schedule, its config errors, and on 8 forced CPU devices the 1-device
+losses for each layout, collective-permutes between the stages, and checkpoints that do not depend on the pipeline
+(a pipelined checkpoint resumes on one device and on another pipeline, and decodes as the 1-device run's)."""
+
+import json
+import types
+
+import numpy as np
+import pytest
+
+from MaxText import pipeline_schedule
+from MaxText.errors import ConfigError
+from MaxText.tests.helpers import run_python, tiny_args, tiny_config
+
+
+def _schedule(**kw):
+  values = dict(stages=4, microbatches=4, repeats=2, layers_per_stage=1, pipelined_layers=8, num_layers=8)
+  values.update(kw)
+  return pipeline_schedule.Schedule(**values)
+
+
+def test_bubble_is_the_fill_and_drain_share_of_the_iterations():
+  schedule = _schedule()  # 4 stages, 4 microbatches, 2 repeats: 8 work items + 3 fill/drain iterations
+  assert schedule.iterations == 11
+  assert schedule.bubble == pytest.approx(3 / 11)  # (stages - 1) / (repeats x microbatches + stages - 1)
+  delayed = _schedule(microbatches=8, delay=2)
+  assert delayed.iterations == 16 + 6 and delayed.bubble == pytest.approx(6 / 22)
+  assert "bubble 27.3% (3 of 11 iterations)" in schedule.line()
+  assert schedule.line().startswith("Pipeline: 4 stages, 4 microbatches, 2 repeats, 1 layers per stage;")
+
+
+def test_memory_order_gives_each_stage_its_circular_groups_then_its_share_of_the_rest():
+  # Stage s holds groups s and s + 4 (repeat-major); the stage axis splits the layer axis into 4 chunks of 2.
+  assert _schedule().memory_order() == (0, 4, 1, 5, 2, 6, 3, 7)
+  # 2 stages, 2 layers per stage, 2 repeats over the first 8 of 12 layers; 2 of the last 4 per stage.
+  order = _schedule(stages=2, layers_per_stage=2, pipelined_layers=8, num_layers=12).memory_order()
+  assert order == (0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11)
+  one_repeat = _schedule(stages=4, repeats=1, layers_per_stage=2)
+  assert one_repeat.memory_order() == tuple(range(8)) and not one_repeat.reorders_layers
+
+
+# 8 devices as pyconfig sees them (the checks run before JAX builds a mesh).
+CPUS = [types.SimpleNamespace(platform="cpu", id=i, slice_index=0, process_index=0) for i in range(8)]
+
+
+def _config(*args):
+  return tiny_config("base_num_decoder_layers=8", "per_device_batch_size=1", *args, devices=CPUS)
+
+
+@pytest.mark.parametrize(
+  "args,message",
+  [
+    (["ici_pipeline_parallelism=4", "num_layers_per_pipeline_stage=3"], "8 pipelined layers do not split into 4 stages"),
+    (["ici_pipeline_parallelism=2", "num_pipeline_microbatches=3"], "num_pipeline_microbatches=3 must be a multiple"),
+    (["ici_pipeline_parallelism=2", "num_pipeline_microbatches=16"], "does not divide the 8 rows"),
+    (["ici_pipeline_parallelism=2", "pipeline_parallel_layers=10"], "pipeline_parallel_layers=10 is more than"),
+    (["ici_pipeline_parallelism=2", "decoder_block=mixtral"], "decoder_block=mixtral cannot be pipelined"),
+    (["ici_pipeline_parallelism=2", "decoder_block=gemma2"], "decoder_block=gemma2 cannot be pipelined"),
+    (
+      ["ici_pipeline_parallelism=2", "pipeline_delay_activation_forwarding=true", "num_pipeline_microbatches=2"],
+      "at least 2 x stages = 4",
+    ),
+    (["ici_pipeline_parallelism=2", "num_pipeline_microbatches=8"], "8 pipeline microbatches has 1 rows, which the 4 batch"),
+    (["ici_pipeline_parallelism=2", "scan_layers=false"], "scan_layers=False with pipeline parallelism"),
+  ],
+)
+def test_bad_pipeline_configs_get_one_line_before_any_compile(args, message):
+  with pytest.raises(ConfigError, match=message):
+    _config(*args)
+
+
+def test_the_config_resolves_repeats_and_microbatches():
+  config = _config("ici_pipeline_parallelism=4")
+  assert (config.num_pipeline_repeats, config.num_pipeline_microbatches) == (2, 4)
+  delayed = _config("ici_pipeline_parallelism=2", "pipeline_delay_activation_forwarding=true", "per_device_batch_size=2")
+  assert delayed.num_pipeline_microbatches == 4
+
+
+# ---- 8 forced CPU devices: one child process runs every layout (MaxText/tests/sharded_runs.py) ----
+
+STEPS = 4
+LAYERS = ["base_num_decoder_layers=8", f"learning_rate_schedule_steps={STEPS}"]
+# name -> parallelism; each trains 16 rows of 8 layers as the 1-device run does.
+LAYOUTS = {
+  "stage4_fsdp2": ["ici_pipeline_parallelism=4", "ici_fsdp_parallelism=2"],  # 2 repeats, 4 microbatches
+  "stage2_tensor2_data2": [
+    "ici_pipeline_parallelism=2",
+    "ici_tensor_parallelism=2",
+    "ici_data_parallelism=2",
+    "ici_fsdp_parallelism=1",
+    "num_layers_per_pipeline_stage=2",
+    "num_pipeline_repeats=2",
+    "num_pipeline_microbatches=8",
+  ],
+  "stage2_half_pipelined": ["ici_pipeline_parallelism=2", "pipeline_parallel_layers=4"],
+  "stage2_delayed_unscanned_ag_once": [
+    "ici_pipeline_parallelism=2",
+    "ici_data_parallelism=2",
+    "pipeline_delay_activation_forwarding=true",
+    "scan_pipeline_iterations=false",
+    "pipeline_fsdp_ag_once=true",
+  ],
+}
+ACCUMULATION = ["gradient_accumulation_steps=2"]
+DECODE = ["max_target_length=24", "max_prefill_predict_length=8", "dataset_type=synthetic"]
+
+
+def _runs(tmp_path) -> list[dict]:
+  def run(name, devices, *args, steps=STEPS, checkpoints=False, decode=False):
+    rows = "per_device_batch_size=16" if devices == 1 else "per_device_batch_size=2"
+    common = [f"base_output_directory={tmp_path}", rows, *LAYERS, f"run_name={name}"]
+    if not decode:
+      common += [f"steps={steps}", "learning_rate=1e-2", f"metrics_file={tmp_path / name}.jsonl"]
+      common += ["checkpoint_period=2", "save_checkpoint_on_completion=false"] if checkpoints else []
+      common += [] if checkpoints else ["enable_checkpointing=false"]
+    return {"name": name, "devices": devices, "args": tiny_args(*common, *args), "decode": decode, "probes": []}
+
+  checkpoint_items = tmp_path / "pipelined" / "checkpoints" / "2" / "items"
+  return [
+    run("one", 1, checkpoints=True),
+    *(run(name, 8, *args) for name, args in LAYOUTS.items()),
+    run("one_accumulating", 1, *ACCUMULATION),
+    run("stage2_accumulating", 8, "ici_pipeline_parallelism=2", *ACCUMULATION),
+    # Saved at step 2 by a 4-stage pipeline (2 repeats: the layers reordered in memory), then resumed by one device
+    # and by a 2-stage pipeline of 2 repeats of 2 layers (another order), each training step 3.
+    run("pipelined", 8, *LAYOUTS["stage4_fsdp2"], steps=3, checkpoints=True),
+    {**run("pipelined", 1, checkpoints=True), "metrics_as": "resumed_one"},
+    {**run("pipelined", 8, *LAYOUTS["stage2_tensor2_data2"], checkpoints=True), "metrics_as": "resumed_stage2"},
+    run("decode_pipelined", 1, *DECODE, f"load_parameters_path={checkpoint_items}", decode=True),
+    run("decode_one", 1, *DECODE, f"load_parameters_path={tmp_path / 'one' / 'checkpoints' / '2' / 'items'}", decode=True),
+  ]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+  tmp_path = tmp_path_factory.mktemp("pipeline")
+  runs = _runs(tmp_path)
+  for run in runs:  # a resumed run writes its own metrics file
+    if "metrics_as" in run:
+      run["args"] = tiny_args(*run["args"], f"metrics_file={tmp_path / run.pop('metrics_as')}.jsonl")
+  runs_path, report_path = tmp_path / "runs.json", tmp_path / "report.json"
+  runs_path.write_text(json.dumps(runs))
+  xla_flags = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+  env = {"XLA_FLAGS": xla_flags, "JAX_PLATFORMS": "cpu"}
+  result = run_python(["-m", "MaxText.tests.sharded_runs", str(runs_path), str(report_path)], env_extra=env)
+  assert result.returncode == 0, result.stderr[-5000:]
+  out = json.loads(report_path.read_text())
+  out["log"] = result.stdout + result.stderr
+  out["metrics"] = {p.stem: _losses(p) for p in tmp_path.glob("*.jsonl")}
+  return out
+
+
+def _losses(path) -> dict[int, float]:
+  return {m["step"]: m["learning/loss"] for m in map(json.loads, path.read_text().splitlines())}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_each_pipeline_layout_trains_as_one_device(report, name):
+  losses, baseline = report["metrics"][name], report["metrics"]["one"]
+  assert sorted(losses) == list(range(STEPS))
+  np.testing.assert_allclose([losses[s] for s in range(STEPS)], [baseline[s] for s in range(STEPS)], rtol=1e-5)
+  assert report[name]["mesh"]["stage"] == int(LAYOUTS[name][0].split("=")[1])
+
+
+@pytest.mark.slow
+def test_pipeline_microbatches_split_each_accumulation_step(report):
+  losses, baseline = report["metrics"]["stage2_accumulating"], report["metrics"]["one_accumulating"]
+  np.testing.assert_allclose([losses[s] for s in range(STEPS)], [baseline[s] for s in range(STEPS)], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_the_schedule_line_is_logged_at_start(report):
+  assert "Pipeline: 4 stages, 4 microbatches, 2 repeats, 1 layers per stage; bubble 27.3% (3 of 11" in report["log"]
+  assert "the last 4 layers run after it with stage as data parallelism" in report["log"]
+
+
+@pytest.mark.slow
+def test_a_pipelined_checkpoint_resumes_on_one_device_and_on_another_pipeline(report):
+  baseline = report["metrics"]["one"]
+  assert sorted(report["metrics"]["pipelined"]) == [0, 1, 2]
+  for resumed in ("resumed_one", "resumed_stage2"):
+    losses = report["metrics"][resumed]
+    assert sorted(losses) == [3], resumed  # restored step 2's checkpoint, then trained step 3
+    np.testing.assert_allclose(losses[3], baseline[3], rtol=1e-5, err_msg=resumed)
+
+
+@pytest.mark.slow
+def test_a_pipelined_checkpoint_decodes_as_the_one_device_run(report):
+  assert report["decode_pipelined"]["tokens"] == report["decode_one"]["tokens"]
+
+
+COMPILE = """
+import jax
+from MaxText import aot_compile, mesh, train_state
+from MaxText.tests.helpers import tiny_config
+config = tiny_config({args})
+device_mesh = mesh.create_device_mesh(config)
+setup = train_state.build(config, device_mesh)
+text = aot_compile.lower_train_step(setup.model, config, device_mesh, setup.abstract_state).compile().as_text()
+print("collective-permutes:", text.count("collective-permute-start") + text.count(" collective-permute("))
+"""
+
+
+@pytest.mark.slow
+def test_the_compiled_step_moves_activations_between_stages_with_collective_permutes():
+  def permutes(*args):
+    code = COMPILE.format(args=", ".join(repr(a) for a in ("base_num_decoder_layers=8", "per_device_batch_size=1", *args)))
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    result = run_python(["-c", code], env_extra=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return int(result.stdout.split("collective-permutes:")[1])
+
+  assert permutes("ici_pipeline_parallelism=4", "ici_fsdp_parallelism=2") > 0
+  assert permutes("ici_fsdp_parallelism=8") == 0  # none without the pipeline
