@@ -170,11 +170,16 @@ def resolve(values) -> "Schedule | None":
 
 
 def microbatch_shards(values, schedule: Schedule, mesh_shape: dict) -> None:
-  """Each pipeline microbatch's rows must split over the batch's mesh axes other than stage."""
+  """Each pipeline microbatch's rows, in training and in eval, must split over the batch's mesh axes other than
+  stage."""
   shards = math.prod(mesh_shape[a] for a in values["data_sharding"][0] if a != "stage")
-  rows = values["micro_batch_size_to_load"] // schedule.microbatches
-  if rows % shards:
-    raise ConfigError(
-      f"each of the {schedule.microbatches} pipeline microbatches has {rows} rows, which the {shards} batch shards "
-      "(data_sharding without stage) cannot split evenly; use fewer num_pipeline_microbatches or a larger batch"
-    )
+  micro = schedule.microbatches
+  batches = [("", values["micro_batch_size_to_load"])]
+  if values["eval_interval"] > 0:
+    batches.append(("eval ", values["global_batch_size_to_load_eval"]))
+  for what, rows in batches:
+    if rows % micro or (rows // micro) % shards:
+      raise ConfigError(
+        f"the {rows} {what}rows do not split into num_pipeline_microbatches={micro} microbatches of a multiple of "
+        f"the {shards} batch shards (data_sharding without stage); change the batch or the microbatches"
+      )

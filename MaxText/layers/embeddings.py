@@ -39,7 +39,9 @@ class Embed(nn.Module):
       y = jnp.dot(one_hot, self.embedding.astype(self.dtype))  # (B, T, V) @ (V, E)
     else:
       y = jnp.take(self.embedding, token_ids, axis=0).astype(self.dtype)  # (B, T, E)
-    return nn.with_logical_constraint(y, ("activation_embed_and_logits_batch", "activation_length", "activation_embed"))
+    # Rows split as the decoder layers' (not over stage, unlike the logits): split over stage as well, the scatter of
+    # the embedding's gradient would gather the whole batch's activations on every device.
+    return nn.with_logical_constraint(y, ("activation_batch", "activation_length", "activation_embed"))
 
   def attend(self, x):
     return jnp.einsum("bte,ve->btv", x.astype(self.attend_dtype), self.embedding.astype(self.attend_dtype))  # (B, T, V)

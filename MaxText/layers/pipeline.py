@@ -19,6 +19,7 @@ from MaxText.pipeline_schedule import Schedule
 
 STATE_AXES = ("activation_stage", "activation_batch", "activation_length", "activation_embed")
 MICROBATCH_AXES = (None, "activation_batch", "activation_length", "activation_embed")
+EMBEDDING_AXES = ("activation_embed_and_logits_batch", "activation_length", "activation_embed")
 _FSDP_AXES = ("fsdp", "fsdp_transpose")
 
 
@@ -46,8 +47,14 @@ def split_stack(params, schedule: Schedule, scan_axis: int):
 
 
 def _microbatches(a, count: int):
-  """(B, ...) -> (count, B / count, ...): microbatch m holds rows m, m + count, ..., so the rows' sharding stays."""
+  """(B, ...) -> (count, B / count, ...): microbatch m holds rows m, m + count, ..., so the rows' split over the batch
+  axes stays as it is (each device's rows are its rows of every microbatch)."""
   return a.reshape(a.shape[0] // count, count, *a.shape[1:]).swapaxes(0, 1)
+
+
+def _rows(a):
+  """The inverse of _microbatches: (count, B / count, ...) -> (B, ...)."""
+  return a.swapaxes(0, 1).reshape(a.shape[0] * a.shape[1], *a.shape[2:])
 
 
 def _rules_without(rules, drop: tuple[str, ...]):
@@ -60,12 +67,12 @@ def _rules_without(rules, drop: tuple[str, ...]):
 
 
 def _stage_as_data(rules):
-  """Logical axis rules where the batch axes also split over stage (for the layers after the pipeline)."""
+  """Logical axis rules where the batch axes also split over stage, last (for the layers after the pipeline)."""
   out = []
   for name, target in rules:
     axes = tuple(target) if isinstance(target, (list, tuple)) else (target,)
     if "batch" in name and "data" in axes and "stage" not in axes:
-      axes = axes[: axes.index("data") + 1] + ("stage",) + axes[axes.index("data") + 1 :]
+      axes = axes + ("stage",)
     out.append((name, axes))
   return tuple(out)
 
@@ -127,25 +134,35 @@ def _pipeline(schedule: Schedule, layer, pipe, x, positions, segment_ids, determ
   """The pipelined layers on x (B, T, E), as schedule says (see pipeline_schedule's doc for the work items)."""
   stages, micro, repeats, delay = schedule.stages, schedule.microbatches, schedule.repeats, schedule.delay
   per_stage = schedule.layers_per_stage
+  # The embedding splits the rows over the batch axes and then stage (base.yml puts stage last, so a device's rows
+  # are a part of its rows without stage): gathering them over stage only is what the pipeline's inputs cost.
+  x = nn.with_logical_constraint(x, MICROBATCH_AXES[1:])
+  positions, segment_ids = (nn.with_logical_constraint(a, MICROBATCH_AXES[1:3]) for a in (positions, segment_ids))
   inputs = nn.with_logical_constraint(_microbatches(x, micro), MICROBATCH_AXES)
-  positions, segment_ids = _microbatches(positions, micro), _microbatches(segment_ids, micro)
+  positions, segment_ids = (_microbatches(a, micro) for a in (positions, segment_ids))
   stage_ids = jnp.arange(stages)
 
   def stage(weights, h, pos, seg, repeat, stage_id, key):
     indices = (repeat * stages + stage_id) * per_stage + jnp.arange(per_stage)
     return _apply_layers(layer, weights, h, pos, seg, deterministic, indices, key)
 
+  def microbatch(buffer, index):
+    one = jax.lax.dynamic_index_in_dim(buffer, index, 0, keepdims=False)
+    return nn.with_logical_constraint(one, MICROBATCH_AXES[1:])
+
   def iteration(carry, t):
     history, outputs = carry  # history[k]: the stages' outputs k + 1 iterations ago; outputs: (micro, rows, T, E)
+    outputs = nn.with_logical_constraint(outputs, MICROBATCH_AXES)
     shifted = jnp.roll(history[-1], 1, axis=0)  # stage s receives stage s - 1's output, stage 0 the last stage's
     done = t - delay * stages  # the work item that shifted[0] finished
     slot = done % micro
-    kept = jax.lax.dynamic_index_in_dim(outputs, slot, 0, keepdims=False)
-    outputs = jax.lax.dynamic_update_index_in_dim(outputs, jnp.where(done >= 0, shifted[0], kept), slot, 0)
+    # Every stage keeps the buffer (constrained, or the compiler may gather it whole): stage 0 sends its part.
+    arrived = nn.with_logical_constraint(shifted[0], MICROBATCH_AXES[1:])
+    kept = microbatch(outputs, slot)
+    outputs = jax.lax.dynamic_update_index_in_dim(outputs, jnp.where(done >= 0, arrived, kept), slot, 0)
     # Stage 0 starts work item t: a new microbatch in the first repeat, else the microbatch's previous repeat.
-    fresh = jax.lax.dynamic_index_in_dim(inputs, t % micro, 0, keepdims=False)
-    again = jax.lax.dynamic_index_in_dim(outputs, t % micro, 0, keepdims=False)
-    stage_in = nn.with_logical_constraint(shifted.at[0].set(jnp.where(t < micro, fresh, again)), STATE_AXES)
+    first = jnp.where(t < micro, microbatch(inputs, t % micro), microbatch(outputs, t % micro))
+    stage_in = nn.with_logical_constraint(shifted.at[0].set(first), STATE_AXES)
     items = t - delay * stage_ids
     repeat = jnp.clip(items // micro, 0, repeats - 1)
     weights = jax.tree.map(lambda w: jax.vmap(lambda w_s, r: w_s[r])(w, repeat), pipe)
@@ -164,4 +181,4 @@ def _pipeline(schedule: Schedule, layer, pipe, x, positions, segment_ids, determ
   history, outputs = carry
   for k in range(delay):  # the last work items, which no iteration has taken off the last stage yet
     outputs = outputs.at[(micro * repeats - 1 - k) % micro].set(history[k][stages - 1])
-  return outputs.swapaxes(0, 1).reshape(x.shape)
+  return nn.with_logical_constraint(_rows(outputs), EMBEDDING_AXES)

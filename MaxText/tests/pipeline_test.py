@@ -54,13 +54,23 @@ def _config(*args):
     (["ici_pipeline_parallelism=2", "num_pipeline_microbatches=3"], "num_pipeline_microbatches=3 must be a multiple"),
     (["ici_pipeline_parallelism=2", "num_pipeline_microbatches=16"], "does not divide the 8 rows"),
     (["ici_pipeline_parallelism=2", "pipeline_parallel_layers=10"], "pipeline_parallel_layers=10 is more than"),
+    (
+      [
+        "ici_pipeline_parallelism=2",
+        "eval_interval=5",
+        "per_device_batch_size=8",
+        "eval_per_device_batch_size=1",
+        "num_pipeline_microbatches=16",
+      ],
+      "the 8 eval rows do not split into num_pipeline_microbatches=16",
+    ),
     (["ici_pipeline_parallelism=2", "decoder_block=mixtral"], "decoder_block=mixtral cannot be pipelined"),
     (["ici_pipeline_parallelism=2", "decoder_block=gemma2"], "decoder_block=gemma2 cannot be pipelined"),
     (
       ["ici_pipeline_parallelism=2", "pipeline_delay_activation_forwarding=true", "num_pipeline_microbatches=2"],
       "at least 2 x stages = 4",
     ),
-    (["ici_pipeline_parallelism=2", "num_pipeline_microbatches=8"], "8 pipeline microbatches has 1 rows, which the 4 batch"),
+    (["ici_pipeline_parallelism=2", "num_pipeline_microbatches=8"], "8 rows do not split into num_pipeline_microbatches=8"),
     (["ici_pipeline_parallelism=2", "scan_layers=false"], "scan_layers=False with pipeline parallelism"),
   ],
 )
