@@ -183,6 +183,7 @@ class Outcome:
   estimate: roofline.StepEstimate | None = None
   num_collectives: int = 0
   num_operations: int = 0  # runs of top-level operations per step (hlo_ops)
+  serial: hlo_ops.SerialTime | None = None  # the step's operations one after another
   parse_seconds: float = 0.0
 
   @property
@@ -284,20 +285,25 @@ def compile_for_target(config) -> Outcome:
   comm, outcome.num_collectives, outcome.parse_seconds = interconnect.communication(
     text, target, list(mesh.devices.flat), config.num_slices
   )
-  outcome.estimate, outcome.num_operations, seconds = _estimate(config, target.chip, text, comm)
-  outcome.parse_seconds += seconds
+  start = time.perf_counter()
+  found = hlo_ops.ops(text, _routed_rows(config))
+  chip = target.chip
+  peak = roofline.peak_tflops(chip.device_kind) or 0.0
+  outcome.serial = hlo_ops.serial_time(
+    found, peak * 1e12, chip.memory_bandwidth_gbps * 1e9, chip.clock_ghz * 1e9, _routed_rows(config)
+  )
+  outcome.estimate = roofline.estimate(config, outcome.serial, chip.device_kind, chip.memory_bandwidth_gbps, comm)
+  outcome.num_operations = sum(op.count for op in found)
+  outcome.parse_seconds += time.perf_counter() - start
   return outcome
 
 
-def _estimate(config, chip: aot_targets.Chip, text: str, comm) -> tuple[roofline.StepEstimate | None, int, float]:
-  """(the step-time estimate, the step's operations, the seconds reading them took) from the compiled step's text:
-  its operations one after another, with the trip counts of the loops around them (hlo_ops)."""
-  start = time.perf_counter()
-  found = hlo_ops.ops(text)
-  peak = roofline.peak_tflops(chip.device_kind)
-  serial = hlo_ops.serial_time(found, (peak or 0) * 1e12, chip.memory_bandwidth_gbps * 1e9, chip.clock_ghz * 1e9)
-  estimate = roofline.estimate(config, serial, chip.device_kind, chip.memory_bandwidth_gbps, comm)
-  return estimate, sum(op.count for op in found), time.perf_counter() - start
+def _routed_rows(config) -> int | None:
+  """The rows one device's experts multiply per microbatch: its tokens times the experts each token goes to (with
+  expert parallelism a device receives as many, on average, as it sends); None without MoE."""
+  if config.num_experts <= 1:
+    return None
+  return int(config.per_device_batch_size * config.max_target_length * config.num_experts_per_tok)
 
 
 def _lowered(config, mesh):
@@ -372,4 +378,11 @@ def report(outcome: Outcome) -> list[str]:
       f"compiled step, read in {outcome.parse_seconds:.1f} s"
     )
     lines += outcome.estimate.lines()
+  serial = outcome.serial
+  if serial is not None and serial.dense_groups > 0.05 * serial.seconds:
+    lines.append(
+      f"Grouped matmuls: {serial.dense_groups:.3f} s of the step run dense over every expert group (ragged_dot's weight "
+      f"gradient compiles to a masked convolution); over their routed rows only they would take "
+      f"{serial.dense_groups_by_rows:.3f} s"
+    )
   return lines

@@ -15,8 +15,13 @@ fusion, which run within it) is read as an Op:
   (libtpu writes one for every fusion, copy and other op it emits itself). It covers the MXU's tile granularity, the
   vector units and the layouts: the compiler's first-principles figure, preferred to the roofline when present.
 - opaque: a custom kernel (Pallas/Mosaic tpu_custom_call: flash attention) with no FLOPs in the text. The caller
-  adds its FLOPs from the model (roofline). A grouped matmul (jax.lax.ragged_dot) compiles to a Mosaic kernel with a
-  ragged_dot_tiling attribute: it is costed by its real rows, 2 x lhs rows x contracted size x output columns.
+  adds its FLOPs from the model (roofline).
+- grouped matmuls (jax.lax.ragged_dot, MoE): the forward and the input gradient compile to a Mosaic kernel with a
+  ragged_dot_tiling attribute, which runs the rows its groups hold: 2 x rows x contracted size x output columns, its
+  rows being the lhs buffer's or, when the caller knows them, the routed rows (tokens x top-k; the HLO holds only
+  the buffer, sized for the worst case). The weight gradient compiles (jax 0.10, libtpu 0.0.42) to a convolution
+  over every expert group of the whole buffer, each group masking the rows of the others (a `pred[groups, rows]`
+  operand): the TPU runs it dense, and the compiler's cycles say so. Such an op is marked `dense_groups`.
 
 Free: parameters, tuples, bitcasts, constants, control flow (its bodies are counted), asynchronous copies and slices
 (DMA engines, beside the TensorCore), and collectives (interconnect costs them).
@@ -74,6 +79,7 @@ class Op:
   in_loop: bool = False
   cycles: int | None = None
   opaque: bool = False
+  dense_groups: tuple[int, int] | None = None  # (expert groups, rows) of a grouped matmul run dense over its groups
 
   def seconds(self, peak_flops: float, bytes_per_second: float, clock_hz: float = 0.0) -> float:
     """One run's time: the compiler's cycles at the clock, or else the roofline max(FLOPs / peak, bytes / bandwidth)."""
@@ -206,18 +212,34 @@ def fused_bytes(program: dict[str, hlo_text.Computation], instruction: hlo_text.
   return total + hlo_text.array_bytes(instruction.shape)
 
 
-def _ragged_dot_flops(instruction: hlo_text.Instruction, shapes: dict[str, str]) -> float:
-  """A grouped matmul kernel (lhs [rows, K] by groups of [K, N]): 2 x rows x K x N, its real rows only."""
+def _ragged_dot_flops(instruction: hlo_text.Instruction, shapes: dict[str, str], rows: int | None) -> float:
+  """A grouped matmul kernel (lhs [buffer rows, K] by groups of [K, N]): 2 x rows x K x N, over the routed rows
+  when known (at most the buffer's)."""
   arrays = [hlo_text.dims(shapes[o]) for o in instruction.operands if o in shapes]
   matrices = [d for d in arrays if len(d) >= 2]
   out = hlo_text.dims(instruction.shape)
   if len(matrices) < 2 or len(out) != 2:
     return 0.0
   lhs = matrices[-2]
-  return 2.0 * lhs[0] * lhs[-1] * out[-1]
+  return 2.0 * min(lhs[0], rows or lhs[0]) * lhs[-1] * out[-1]
 
 
-def _op(program, instruction: hlo_text.Instruction, shapes: dict[str, str]) -> Op | None:
+def _dense_groups(program, called: list[str]) -> tuple[int, int] | None:
+  """(groups, rows) when a fusion is a grouped matmul written dense over its groups: a convolution over a pred[groups,
+  rows] mask of the rows each group owns (how ragged_dot's weight gradient compiles)."""
+  for name in called:
+    body = program.get(name)
+    if body is None or not any(i.opcode == "convolution" for i in body.instructions):
+      continue
+    for inner in body.instructions:
+      mask = hlo_text.ARRAY.search(inner.shape)
+      if inner.opcode == "parameter" and mask and mask.group(1) == "pred" and len(hlo_text.dims(inner.shape)) == 2:
+        groups, rows = hlo_text.dims(inner.shape)
+        return groups, rows
+  return None
+
+
+def _op(program, instruction: hlo_text.Instruction, shapes: dict[str, str], rows: int | None = None) -> Op | None:
   """The Op of one top-level instruction; None when it is free or communication."""
   name, shape, opcode, rest = instruction
   if opcode in _FREE or opcode.removesuffix("-start").removesuffix("-done") in _COLLECTIVES:
@@ -230,7 +252,8 @@ def _op(program, instruction: hlo_text.Instruction, shapes: dict[str, str]) -> O
     if cycles is None and any(_has_collective(program, c) for c in called):
       return None  # a collective fusion (all-reduce-scatter): communication
     flops = sum(fused_flops(program, c) for c in called)
-    return Op(name, opcode, flops, fused_bytes(program, instruction, shapes), cycles=cycles)
+    grouped = _dense_groups(program, called)
+    return Op(name, opcode, flops, fused_bytes(program, instruction, shapes), cycles=cycles, dense_groups=grouped)
   if opcode == "custom-call":
     target = _TARGET.search(rest)
     target = target.group(1) if target else ""
@@ -238,7 +261,7 @@ def _op(program, instruction: hlo_text.Instruction, shapes: dict[str, str]) -> O
       return None
     moved = operand_bytes + hlo_text.array_bytes(shape)
     if "ragged_dot_tiling" in rest:
-      return Op(name, opcode, _ragged_dot_flops(instruction, shapes), moved, cycles=cycles)
+      return Op(name, opcode, _ragged_dot_flops(instruction, shapes, rows), moved, cycles=cycles)
     return Op(name, opcode, 0.0, moved, cycles=cycles, opaque=cycles is None and target != "ZeroCrop")
   if opcode == "dynamic-update-slice":  # in place: the update is read and written
     update = shapes.get(instruction.operands[1], "") if len(instruction.operands) > 1 else ""
@@ -256,8 +279,13 @@ def _op(program, instruction: hlo_text.Instruction, shapes: dict[str, str]) -> O
   return Op(name, opcode, flops, operand_bytes + hlo_text.array_bytes(shape), cycles=cycles)
 
 
-def ops(text: str) -> list[Op]:
-  """Every top-level operation of a compiled program's HLO text, with its runs per run of the program."""
+def ops(text: str, routed_rows: int | None = None) -> list[Op]:
+  """Every top-level operation of a compiled program's HLO text, with its runs per run of the program.
+
+  Args:
+    text: the program's HLO text (`compiled.as_text()`).
+    routed_rows: the rows one device's grouped matmuls (MoE experts) hold: tokens x top-k; None: their buffers'.
+  """
   program, entry = hlo_text.computations(text)
   if entry is None:
     return []
@@ -269,7 +297,7 @@ def ops(text: str) -> list[Op]:
       continue
     shapes = _shapes(program[name])
     for instruction in program[name].instructions:
-      op = _op(program, instruction, shapes)
+      op = _op(program, instruction, shapes, routed_rows)
       if op is not None:
         found.append(dataclasses.replace(op, count=count, in_loop=in_loop))
   return found
@@ -287,6 +315,8 @@ class SerialTime:
     flops, bytes: the program's total FLOPs and bytes of memory traffic.
     opaque_bytes_seconds: the opaque kernels' bytes at bandwidth (their FLOPs are the caller's).
     opaque: how many opaque kernels run per run of the program.
+    dense_groups: the part in grouped matmuls run dense over every group (Op.dense_groups).
+    dense_groups_by_rows: what those would take over their routed rows only (seconds x rows / (groups x rows)).
   """
 
   seconds: float = 0.0
@@ -297,9 +327,13 @@ class SerialTime:
   bytes: float = 0.0
   opaque_bytes_seconds: float = 0.0
   opaque: int = 0
+  dense_groups: float = 0.0
+  dense_groups_by_rows: float = 0.0
 
 
-def serial_time(found: list[Op], peak_flops: float, bytes_per_second: float, clock_hz: float = 0.0) -> SerialTime:
+def serial_time(
+  found: list[Op], peak_flops: float, bytes_per_second: float, clock_hz: float = 0.0, routed_rows: int | None = None
+) -> SerialTime:
   """The sum of the operations' times (Op.seconds) and its parts.
 
   Args:
@@ -307,8 +341,9 @@ def serial_time(found: list[Op], peak_flops: float, bytes_per_second: float, clo
     peak_flops: one device's peak FLOP/s.
     bytes_per_second: its HBM bandwidth.
     clock_hz: the clock that the compiler's cycle estimates count (aot_targets.Chip.clock_ghz); 0: use none.
+    routed_rows: as ops'; for dense_groups_by_rows.
   """
-  seconds = compute = loops = cycles = flops = moved = opaque_seconds = 0.0
+  seconds = compute = loops = cycles = flops = moved = opaque_seconds = dense = dense_by_rows = 0.0
   opaque = 0
   for op in found:
     if op.opaque:
@@ -323,4 +358,8 @@ def serial_time(found: list[Op], peak_flops: float, bytes_per_second: float, clo
     cycles += t if op.cycles is not None and clock_hz else 0.0
     flops += op.count * op.flops
     moved += op.count * op.bytes
-  return SerialTime(seconds, compute, loops, cycles, flops, moved, opaque_seconds, opaque)
+    if op.dense_groups:
+      groups, rows = op.dense_groups
+      dense += t
+      dense_by_rows += t * min(rows, routed_rows or rows) / (groups * rows)
+  return SerialTime(seconds, compute, loops, cycles, flops, moved, opaque_seconds, opaque, dense, dense_by_rows)

@@ -181,6 +181,37 @@ def test_a_grouped_matmul_kernel_is_costed_by_its_real_rows_and_other_kernels_ar
   assert "cb" not in found  # layout bookkeeping moves nothing
   serial = hlo_ops.serial_time(list(found.values()), PEAK, BANDWIDTH)
   assert serial.opaque == 1 and serial.opaque_bytes_seconds == pytest.approx(found["fa"].bytes / BANDWIDTH)
+  # The buffer is sized for the worst case; the config's tokens x top-k are the rows the kernel runs.
+  routed = {op.name: op for op in hlo_ops.ops(_program(entry, computations=""), routed_rows=512)}
+  assert routed["r"].flops == 2 * 512 * 512 * 256
+
+
+def test_a_grouped_weight_gradient_written_dense_over_its_groups_is_marked_with_its_cost_by_routed_rows():
+  """ragged_dot's weight gradient compiles to a convolution of the rows masked per group (pred[16, 2048]) with the
+  experts as a dilated spatial dimension: each of the 16 groups multiplies all 2048 rows, which the TPU runs."""
+  computations = """
+%grouped_weight_gradient (dout: bf16[2048,256], x: bf16[2048,512], mask: pred[16,2048]) -> bf16[16,512,256] {
+  %x = bf16[2048,512]{1,0} parameter(1)
+  %mask = pred[16,2048]{1,0} parameter(2)
+  %xm = bf16[16,2048,512]{2,1,0} broadcast(%x), dimensions={1,2}
+  %dout = bf16[2048,256]{1,0} parameter(0)
+  %dm = bf16[16,2048,256]{2,1,0} broadcast(%dout), dimensions={1,2}
+  ROOT %c = bf16[16,512,256]{2,1,0} convolution(%xm, %dm), window={size=16 stride=15 lhs_dilate=16}, dim_labels=0fb_0io->0bf
+}
+"""
+  entry = (
+    "  %dout = bf16[2048,256]{1,0} parameter(0)\n"
+    "  %x = bf16[2048,512]{1,0} parameter(1)\n"
+    "  %mask = pred[16,2048]{1,0} parameter(2)\n"
+    "  %dw = bf16[16,512,256]{2,1,0} fusion(%dout, %x, %mask), kind=kOutput, calls=%grouped_weight_gradient"
+  )
+  found = hlo_ops.ops(_program(entry, computations=computations), routed_rows=512)
+  (dw,) = found
+  assert dw.dense_groups == (16, 2048)
+  assert dw.flops == 2 * 16 * 2048 * 512 * 256  # every group over every row: what the convolution computes
+  serial = hlo_ops.serial_time(found, PEAK, BANDWIDTH, routed_rows=512)
+  assert serial.dense_groups == pytest.approx(serial.seconds)
+  assert serial.dense_groups_by_rows == pytest.approx(serial.seconds * 512 / (16 * 2048))
 
 
 def test_collectives_and_asynchronous_copies_are_not_the_tensorcores_time():
