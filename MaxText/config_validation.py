@@ -211,6 +211,12 @@ def _check_emergency_checkpoint(v):
 
 def _check_data(v):
   kind = v["dataset_type"]
+  defaults = config_loader.base_defaults()
+  if v["train_data_column"] != defaults["train_data_column"] and v["train_data_columns"] != defaults["train_data_columns"]:
+    raise ConfigError(
+      f"train_data_column={v['train_data_column']} and train_data_columns={v['train_data_columns']} are both set: "
+      "give one (train_data_column is the one-column shorthand)"
+    )
   if kind == "grain" and not v["grain_train_files"]:
     raise ConfigError("dataset_type=grain needs grain_train_files (';'-separated globs of ArrayRecord files)")
   if kind == "hf" and not v["hf_path"]:

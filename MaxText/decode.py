@@ -46,12 +46,22 @@ def _tokenizer(config):
   return tokenizer
 
 
+def _prompt_ids(config, tokenizer) -> list[int]:
+  """The prompt's tokens; with use_chat_template, as a user turn and the generation prompt (the template adds BOS)."""
+  if not config.use_chat_template:
+    return tokenizer.encode(config.prompt)
+  from MaxText.input_pipeline.chat_template import ChatRenderer  # pylint: disable=import-outside-toplevel
+
+  path = pyconfig.resolve_asset_path(config.tokenizer_path, config.config_path) or config.tokenizer_path
+  return ChatRenderer(path, config.chat_template).encode_prompt(config.prompt)
+
+
 def main(argv: list[str]) -> list[str]:
   """Decodes as the config says; returns the completion of each row."""
   config = pyconfig.initialize(argv)
   _check_config(config)
   tokenizer = _tokenizer(config)
-  prompt_ids = tokenizer.encode(config.prompt)
+  prompt_ids = _prompt_ids(config, tokenizer)
   # pylint: disable=import-outside-toplevel
   from MaxText import decoding, jax_runtime, max_logging
   from MaxText.mesh import create_device_mesh

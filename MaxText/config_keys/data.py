@@ -1,7 +1,9 @@
 """Keys of base.yml's Data and Eval sections."""
 
 from MaxText.common_types import DATASET_TYPES
-from MaxText.config_keys import NON_NEGATIVE, POSITIVE, Key, Range
+from MaxText.config_keys import NON_NEGATIVE, POSITIVE, Key, On, Range
+
+_SFT = On("use_sft", True)
 
 SECTIONS = {
   "Data": {
@@ -32,6 +34,14 @@ SECTIONS = {
     "eval_data_column": Key("The record field of the eval data (see train_data_column)."),
     "tokenize_train_data": Key("false: the column already holds token ids (see MaxText/preprocess_data.py)."),
     "tokenize_eval_data": Key("false: the eval column already holds token ids."),
+    # SFT (input_pipeline/sft.py)
+    "use_sft": Key("Train on chat records: train_data_columns [messages] or [prompt, completion]."),
+    "sft_train_on_completion_only": Key(
+      "The loss covers only the assistant turns and their end-of-turn token (or the completion).", acts_with=_SFT
+    ),
+    "use_chat_template": Key("Render prompt/completion records and decode.py's prompt as chat turns."),
+    "chat_template": Key('A Jinja2 chat template or a file holding one; "": the tokenizer directory\'s own.'),
+    "train_data_columns": Key("The record's columns (upstream's list form of train_data_column; set one of the two)."),
     # tfds
     "dataset_path": Key("tfds: the data_dir holding prepared TFDS datasets (local or gs://); never downloads."),
     "dataset_name": Key("tfds: name[/config][:version]."),

@@ -16,10 +16,14 @@ from MaxText.input_pipeline import embedded_corpus, grain_source, hf_source, tfd
 from MaxText.input_pipeline.batching import RowStreamBatcher, ShardStreamBatcher, WorkerRowStreamBatcher
 from MaxText.input_pipeline.documents import DocumentDecoder
 from MaxText.input_pipeline.multihost_dataloading import GlobalBatchIterator, data_shards, describe_rows, process_rows
+from MaxText.input_pipeline.sft import SftDecoder
 from MaxText.input_pipeline.synthetic import SyntheticDataIterator
 
 
-def document_decoder(config, train: bool) -> DocumentDecoder:
+def document_decoder(config, train: bool):
+  """record -> document: DocumentDecoder, or with use_sft the chat samples' SftDecoder (the eval data too)."""
+  if config.use_sft:
+    return SftDecoder(config, train)
   return DocumentDecoder(
     column=config.train_data_column if train else config.eval_data_column,
     tokenize=config.tokenize_train_data if train else config.tokenize_eval_data,

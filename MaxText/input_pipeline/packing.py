@@ -4,6 +4,10 @@ With packing, documents are concatenated and cut into rows; a document that does
 the next row. Each piece of a document in a row is its own segment (ids 1, 2, ... in the row) with
 positions from 0, which the attention mask and RoPE respect. Without packing, each row holds one
 document, truncated to the row (logged once) and padded. Padding has segment 0 and carries no loss.
+
+A document with a "loss_mask" (SFT samples, input_pipeline/sft.py) is never split: one that does not fit in the
+row's room starts the next row. Its targets where the mask is 0 get targets_segmentation 0, which the loss skips,
+while inputs_segmentation keeps attention inside the sample.
 """
 
 import numpy as np
@@ -84,8 +88,10 @@ class PackedStream:
     self._offset = 0
     self._warned_truncation = False
 
-  def _take_from_current(self, document, room: int) -> int:
+  def _take_from_current(self, document, room: int, filled: int) -> int:
     remaining = len(document["inputs"]) - self._offset
+    if "loss_mask" in document and remaining > room and filled > 0:
+      return -1  # kept whole: it starts the next row (one longer than a row, which sft.py prevents, is cut)
     if not self._packing and remaining > room and not self._warned_truncation:
       max_logging.warn(
         f"a document of {remaining + 1} tokens is cut to max_target_length={self._seq_len} (packing=false; logged once)"
@@ -101,7 +107,9 @@ class PackedStream:
       document = self._cursor.current()
       if document is None:
         break
-      take = self._take_from_current(document, self._seq_len - filled)
+      take = self._take_from_current(document, self._seq_len - filled, filled)
+      if take < 0:
+        break
       if take > 0:
         segment += 1
         piece = slice(self._offset, self._offset + take)
@@ -109,16 +117,17 @@ class PackedStream:
         row["targets"][filled : filled + take] = document["targets"][piece]
         row["inputs_segmentation"][filled : filled + take] = segment
         row["inputs_position"][filled : filled + take] = np.arange(take)
+        mask = document.get("loss_mask")
+        row["targets_segmentation"][filled : filled + take] = segment if mask is None else segment * mask[piece]
         filled += take
         self._offset += take
-      if not self._packing or self._offset >= len(document["inputs"]):
+      if not self._packing or self._offset >= len(document["inputs"]) or "loss_mask" in document:
         self._cursor.advance()
         self._offset = 0
       if not self._packing and filled > 0:
         break
     if filled == 0:
       raise StopIteration
-    row["targets_segmentation"][:] = row["inputs_segmentation"]
     row["targets_position"][:] = row["inputs_position"]
     return row
 

@@ -60,6 +60,7 @@ def test_the_switches_are_those_the_companion_warnings_named():
     "use_vertex_tensorboard=true": ["vertex_tensorboard_project", "vertex_tensorboard_region"],
     "quantization=fp8": ["fp8_scaling", "fp8_amax_history_length"],
     "quantize_kvcache=true": ["kv_quant_axis", "kv_quant_dtype"],
+    "use_sft=true": ["sft_train_on_completion_only"],
     "decoder_block=mixtral|qwen3_moe|deepseek": [
       "num_experts",
       "num_experts_per_tok",
