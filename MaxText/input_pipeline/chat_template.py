@@ -22,7 +22,10 @@ _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_toke
 
 def _environment():
   """transformers' chat template environment (utils/chat_template_utils.py), without its {% generation %} tracker."""
-  import jinja2  # pylint: disable=import-outside-toplevel
+  try:
+    import jinja2  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    raise UserError("chat templates need jinja2: pip install 'jinja2>=3.1.6' (in requirements.txt)") from None
   from jinja2.ext import loopcontrols  # pylint: disable=import-outside-toplevel
   from jinja2.sandbox import ImmutableSandboxedEnvironment  # pylint: disable=import-outside-toplevel
 
