@@ -19,6 +19,7 @@ from MaxText.pipeline_schedule import Schedule
 
 STATE_AXES = ("activation_stage", "activation_batch", "activation_length", "activation_embed")
 MICROBATCH_AXES = (None, "activation_batch", "activation_length", "activation_embed")
+BUFFER_AXES = ("activation_stage", None, "activation_batch", "activation_length", "activation_embed")
 EMBEDDING_AXES = ("activation_embed_and_logits_batch", "activation_length", "activation_embed")
 _FSDP_AXES = ("fsdp", "fsdp_transpose")
 
@@ -146,39 +147,44 @@ def _pipeline(schedule: Schedule, layer, pipe, x, positions, segment_ids, determ
     indices = (repeat * stages + stage_id) * per_stage + jnp.arange(per_stage)
     return _apply_layers(layer, weights, h, pos, seg, deterministic, indices, key)
 
-  def microbatch(buffer, index):
-    one = jax.lax.dynamic_index_in_dim(buffer, index, 0, keepdims=False)
-    return nn.with_logical_constraint(one, MICROBATCH_AXES[1:])
+  is_first = (stage_ids == 0)[:, None, None, None]
+
+  def arrive(buffer, shifted, done):
+    """Each stage files what it received under work item `done`'s microbatch (when done >= 0): on stage 0 that is the
+    last stage's output, which the microbatch's next repeat starts from. Every stage keeps its own buffer, so this
+    moves nothing; only stage 0's is read."""
+    slot = done % micro
+    kept = jax.lax.dynamic_index_in_dim(buffer, slot, 1, keepdims=False)
+    buffer = jax.lax.dynamic_update_index_in_dim(buffer, jnp.where(done >= 0, shifted, kept), slot, 1)
+    return nn.with_logical_constraint(buffer, BUFFER_AXES)
 
   def iteration(carry, t):
-    history, outputs = carry  # history[k]: the stages' outputs k + 1 iterations ago; outputs: (micro, rows, T, E)
-    outputs = nn.with_logical_constraint(outputs, MICROBATCH_AXES)
+    history, buffer = carry  # history[k]: the stages' outputs k + 1 iterations ago; buffer: (stages, micro, rows, T, E)
     shifted = jnp.roll(history[-1], 1, axis=0)  # stage s receives stage s - 1's output, stage 0 the last stage's
-    done = t - delay * stages  # the work item that shifted[0] finished
-    slot = done % micro
-    # Every stage keeps the buffer (constrained, or the compiler may gather it whole): stage 0 sends its part.
-    arrived = nn.with_logical_constraint(shifted[0], MICROBATCH_AXES[1:])
-    kept = microbatch(outputs, slot)
-    outputs = jax.lax.dynamic_update_index_in_dim(outputs, jnp.where(done >= 0, arrived, kept), slot, 0)
+    buffer = arrive(buffer, shifted, t - delay * stages)  # shifted[0] finished work item t - delay x stages
     # Stage 0 starts work item t: a new microbatch in the first repeat, else the microbatch's previous repeat.
-    first = jnp.where(t < micro, microbatch(inputs, t % micro), microbatch(outputs, t % micro))
-    stage_in = nn.with_logical_constraint(shifted.at[0].set(first), STATE_AXES)
+    fresh = jax.lax.dynamic_index_in_dim(inputs, t % micro, 0, keepdims=False)
+    again = jax.lax.dynamic_index_in_dim(buffer, t % micro, 1, keepdims=False)
+    first = jnp.where(t < micro, fresh[None], again)
+    stage_in = nn.with_logical_constraint(jnp.where(is_first, first, shifted), STATE_AXES)
     items = t - delay * stage_ids
     repeat = jnp.clip(items // micro, 0, repeats - 1)
     weights = jax.tree.map(lambda w: jax.vmap(lambda w_s, r: w_s[r])(w, repeat), pipe)
     keys = jax.random.split(jax.random.fold_in(rng, t), stages)
     args = (weights, stage_in, positions[items % micro], segment_ids[items % micro], repeat, stage_ids, keys)
     out = nn.with_logical_constraint(jax.vmap(stage, spmd_axis_name="stage")(*args), STATE_AXES)
-    return ((out,) + history[:-1], outputs), None
+    return ((out,) + history[:-1], buffer), None
 
   state = nn.with_logical_constraint(jnp.zeros((stages, *inputs.shape[1:]), x.dtype), STATE_AXES)
-  carry = ((state,) * delay, jnp.zeros_like(inputs))
+  buffer = nn.with_logical_constraint(jnp.zeros((stages, *inputs.shape), x.dtype), BUFFER_AXES)
+  carry = ((state,) * delay, buffer)
   if scanned:
     carry, _ = jax.lax.scan(iteration, carry, jnp.arange(schedule.iterations))
   else:
     for t in range(schedule.iterations):
       carry, _ = iteration(carry, jnp.int32(t))
-  history, outputs = carry
+  history, buffer = carry
   for k in range(delay):  # the last work items, which no iteration has taken off the last stage yet
-    outputs = outputs.at[(micro * repeats - 1 - k) % micro].set(history[k][stages - 1])
+    buffer = arrive(buffer, jnp.roll(history[k], 1, axis=0), jnp.int32(micro * repeats - 1 - k))
+  outputs = nn.with_logical_constraint(buffer[0], MICROBATCH_AXES)  # stage 0's, on every stage
   return nn.with_logical_constraint(_rows(outputs), EMBEDDING_AXES)
