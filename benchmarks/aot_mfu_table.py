@@ -5,8 +5,8 @@
 Each row compiles the published config (the MODEL_KEYS of MaxText/configs/v4/*.sh and v5e/*.sh) for its target
 on this host (libtpu describes the TPUs; no TPU is needed), runs train_compile.py as a user would, and reads its
 `Estimate: ... MFU x%` line. --libtpu-args sets the script's LIBTPU_INIT_ARGS too (the published runs had them).
-Prints a markdown table: predicted and published MFU, their difference, the compile and collective-parsing times,
-and the mean absolute error. Nothing is fitted to these rows.
+Prints a markdown table: predicted and published MFU, their difference, the compile time, the time reading the
+compiled step's operations and collectives, and the mean absolute error. Nothing is fitted to these rows.
 """
 
 import argparse
