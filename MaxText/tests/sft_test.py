@@ -337,3 +337,11 @@ def test_decode_formats_the_prompt_as_a_user_turn(tokenizers_dir):
   messages = [{"role": "user", "content": "what is two plus two"}]
   expected = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)["input_ids"]
   assert decode._prompt_ids(config, None) == expected  # pylint: disable=protected-access
+
+
+def test_sft_yml_is_a_starting_point():
+  from MaxText import pyconfig  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.helpers import REPO_ROOT  # pylint: disable=import-outside-toplevel
+
+  config = pyconfig.initialize(["t", os.path.join(REPO_ROOT, "MaxText/configs/sft.yml"), "run_name=t"], environ={})
+  assert config.use_sft and config.sft_train_on_completion_only and config.train_data_columns == ["messages"]
