@@ -126,6 +126,24 @@ def _config_chain(path: str, seen: tuple = ()) -> list[tuple[str, dict]]:
   return _config_chain(parent_path, seen + (path,)) + [(path, data)]
 
 
+# Upstream MaxText 2026 nests some keys under a mapping (`lora: {enable_lora: true, ...}` in YAML, lora.lora_rank=16
+# on its command line); here they are flat keys, and either spelling gives them.
+NESTED_MAPPINGS = ("lora",)
+
+
+def flatten_nested(data: dict, where: str) -> dict:
+  """`data` with the keys of a NESTED_MAPPINGS mapping (`lora: {...}`) lifted to the top level."""
+  flat = {}
+  for key, value in data.items():
+    if key not in NESTED_MAPPINGS:
+      flat[key] = value
+    elif not isinstance(value, dict):
+      raise ConfigError(f"'{key}' in {where} must be a mapping of {key} keys, e.g. {key}: {{enable_{key}: true}}")
+    else:
+      flat.update(value)
+  return flat
+
+
 def load_config_file(path: str, defaults: dict | None = None) -> tuple[dict, dict]:
   """Loads a YAML config over the defaults of base.yml, with its `base_config:` parents. Returns (values, sources).
 
@@ -143,7 +161,7 @@ def load_config_file(path: str, defaults: dict | None = None) -> tuple[dict, dic
     if os.path.samefile(file_path, BASE_YML):
       continue  # its values are the defaults already
     name = display_path(file_path)
-    for key, value in data.items():
+    for key, value in flatten_nested(data, name).items():
       if key not in defaults:
         raise ConfigError(f"unknown config key '{key}' in {name}{closest_key_hint(key, defaults)}")
       values[key], sources[key] = coerce_value(key, value, defaults[key], where=name), name
@@ -263,6 +281,8 @@ def parse_cli(args: list[str]) -> dict[str, str]:
     key = key.strip()
     if key.startswith("--"):
       raise ConfigError(f"argument '{arg}': write overrides as {key[2:]}=value, without leading dashes")
+    if "." in key and key.split(".", 1)[0] in NESTED_MAPPINGS:  # upstream's lora.lora_rank=16
+      key = key.split(".", 1)[1]
     if key in overrides and overrides[key] != value:
       max_logging.warn(f"'{key}' is given twice on the command line ({key}={overrides.pop(key)} and {arg}): the last wins")
     overrides.pop(key, None)  # the last one's place, for the order in which the values are applied

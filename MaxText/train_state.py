@@ -9,9 +9,9 @@ import jax.numpy as jnp
 from flax import struct
 from flax.training import train_state
 
-from MaxText import memory_check, optimizers, routing_bias, sharding
+from MaxText import lora_training, memory_check, optimizers, routing_bias, sharding
 from MaxText.diagnostics import numerics_taps
-from MaxText.layers import quantizations
+from MaxText.layers import lora, quantizations
 from MaxText.layers.linears import Gemm
 from MaxText.layers.models import Transformer
 
@@ -26,7 +26,7 @@ class Fp8TrainState(train_state.TrainState):
 def create_model(config) -> Transformer:
   """The model, its dense layers quantized as the config says and tapped when the run collects numerics statistics."""
   tap = numerics_taps.dot_general if config.numerics_debug.collects_stats else None
-  return Transformer(config, Gemm(quant=quantizations.from_config(config), tap=tap))
+  return Transformer(config, Gemm(quant=quantizations.from_config(config), tap=tap, lora=lora.from_config(config)))
 
 
 def _init_boxed_state(model, tx, config, rng) -> train_state.TrainState:
@@ -95,7 +95,11 @@ def build(
   tx = optimizers.create_optimizer(config, optimizers.create_learning_rate_schedule(config))
   if routing_bias.present(config):
     tx = routing_bias.keep_out_of_optimizer(tx)
+  if config.enable_lora:
+    tx = lora_training.train_adapters_only(tx)
   abstract_state, state_shardings = get_abstract_state(model, tx, config, mesh)
+  if config.enable_lora:
+    lora_training.check_selects_layers(config, abstract_state.params)
   if check_memory:
     check_state_fits(abstract_state, params_only, memory_limit_bytes)
   return TrainSetup(model, tx, abstract_state, state_shardings)

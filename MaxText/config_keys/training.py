@@ -1,4 +1,4 @@
-"""Keys of base.yml's Checkpointing and Optimizer sections."""
+"""Keys of base.yml's Checkpointing, Optimizer and LoRA sections."""
 
 from MaxText.common_types import OPTIMIZERS
 from MaxText.config_keys import FRACTION, NON_NEGATIVE, POSITIVE, Key, On, Range
@@ -52,5 +52,12 @@ SECTIONS = {
     "learning_rate_schedule_steps": Key(
       "Length of the warmup + cosine schedule; -1: steps.", range=Range(1, also=(-1,), says="positive (or -1 for steps)")
     ),
+  },
+  "LoRA": {
+    "enable_lora": Key("Train LoRA adapters on the layers lora_module_path selects; the rest stays frozen."),
+    "lora_rank": Key("The adapters' rank r.", range=POSITIVE),
+    "lora_alpha": Key("The adapters' output is scaled by lora_alpha / lora_rank.", range=Range(0, low_open=True)),
+    "lora_module_path": Key("A regex searched in the dense layers' names (decoder/layers/mlp/wo; '.' for '/' too)."),
+    "lora_weight_qtype": Key('The frozen base stored quantized (QLoRA): "" (weight_dtype) or int8.', choices=("", "int8")),
   },
 }

@@ -6,10 +6,12 @@ import operator
 from collections.abc import Callable, Sequence
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.layers import initializers, quantizations
+from MaxText.layers import lora as adapters
 
 # The collection whose entries ask a dense layer's `Gemm.tap` for statistics of its operands (numerics debugging);
 # the decoder stacks it over scanned layers like the params.
@@ -42,10 +44,12 @@ class Gemm:
     tap: statistics of the GEMM's operands and output gradient, called as
       tap(module, inputs, kernel, dimension_numbers, gemm, fp8_scales) (diagnostics.numerics_taps.dot_general);
       None when the run collects none. It acts only where the model is applied with TAP_COLLECTION.
+    lora: enable_lora's adapters, on the layers that its module_path selects (layers/lora.py); None: off.
   """
 
   quant: quantizations.Quantization | None = None
   tap: Callable | None = None
+  lora: adapters.LoraSpec | None = None
 
   def __call__(self, module, inputs, kernel, dimension_numbers):
     """The GEMM of the DenseGeneral `module`."""
@@ -87,9 +91,14 @@ class DenseGeneral(nn.Module):
     kernel = self.param(
       "kernel", nn.with_logical_partitioning(init, tuple(self.kernel_axes)), kernel_shape, self.weight_dtype
     )
+    adapted = self.gemm.lora is not None and self.gemm.lora.selects(self.path)
+    if adapted:
+      kernel = jax.lax.stop_gradient(kernel)  # LoRA trains the adapters only: no gradient for the frozen base
     inputs = inputs.astype(self.dtype)
     kernel = kernel.astype(self.dtype)
     out = self.gemm(self, inputs, kernel, ((axis, in_axes), ((), ())))  # quantized and tapped as the run asks
+    if adapted:
+      out = out + adapters.delta(self, self.gemm.lora, inputs, axis, tuple(self.kernel_axes), features, self.dtype)
     if self.use_bias:
       bias_axes = tuple(self.kernel_axes)[len(kernel_in) :]
       bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, bias_axes), features, self.weight_dtype)

@@ -1,0 +1,71 @@
+"""LoRA on the train step's side: the base params stay out of the optimizer, the run's checks, and the split of the
+params into the frozen base and the adapters (the part a LoRA checkpoint holds).
+
+The adapters themselves are in layers/lora.py.
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from MaxText.errors import ConfigError
+from MaxText.layers import layer_names, lora
+
+
+def is_adapter(keys: tuple) -> bool:
+  return bool(keys) and keys[-1] in lora.ADAPTER_PARAMS
+
+
+def train_adapters_only(optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
+  """`optimizer` on the adapters alone: its state holds adapter-shaped trees only, and the base gets zero updates.
+
+  (optax.multi_transform would do the same but leaves MaskedNode placeholders in the state, which the sharded
+  state's tree of shardings does not hold.)
+  """
+
+  def init(params):
+    return optimizer.init(split(params)[1])
+
+  def update(grads, state, params=None):
+    base, adapter_grads = split(grads)
+    adapter_params = None if params is None else split(params)[1]
+    updates, state = optimizer.update(adapter_grads, state, adapter_params)
+    return join(jax.tree.map(jnp.zeros_like, base), updates), state
+
+  return optax.GradientTransformation(init, update)
+
+
+def check_selects_layers(config, params) -> None:
+  """A ConfigError naming lora_module_path and some real layer names when it selects no dense layer."""
+  if any(is_adapter(keys) for keys, _ in layer_names.flatten(params)):
+    return
+  names = sorted({lora.module_name(keys[:-1]) for keys, _ in layer_names.flatten(params) if keys[-1] == "kernel"})
+  raise ConfigError(
+    f"lora_module_path={config.lora_module_path!r} selects no dense layer; this model's are e.g. {', '.join(names[:6])}"
+  )
+
+
+def split(params) -> tuple[dict, dict]:
+  """(base, adapters): two trees of the params' nesting, each holding only its own leaves."""
+
+  def part(tree, want_adapters: bool, prefix=()):
+    out = {}
+    for key, value in tree.items():
+      keys = prefix + (key,)
+      if isinstance(value, dict):
+        sub = part(value, want_adapters, keys)
+        if sub:
+          out[key] = sub
+      elif is_adapter(keys) == want_adapters:
+        out[key] = value
+    return out
+
+  return part(params, False), part(params, True)
+
+
+def join(base: dict, adapters: dict) -> dict:
+  """The params of a LoRA model from split()'s two parts."""
+  out = dict(base)
+  for key, value in adapters.items():
+    out[key] = join(out.get(key, {}), value) if isinstance(value, dict) else value
+  return out

@@ -1,0 +1,112 @@
+"""LoRA: the config keys (flat or upstream's nested `lora:`), only the adapters in the optimizer, the base frozen,
+a lora_module_path that selects nothing, and a short run whose loss falls."""
+
+import json
+
+import numpy as np
+import pytest
+
+from MaxText import config_loader
+from MaxText.errors import ConfigError
+from MaxText.tests.helpers import BASE_YML, run_train, tiny_config
+
+
+def _setup(*args):
+  from MaxText import train_state  # pylint: disable=import-outside-toplevel
+  from MaxText.mesh import create_device_mesh  # pylint: disable=import-outside-toplevel
+
+  config = tiny_config("enable_lora=true", *args)
+  return config, train_state.build(config, create_device_mesh(config))
+
+
+def _paths(tree) -> list[str]:
+  from MaxText.layers import layer_names  # pylint: disable=import-outside-toplevel
+
+  return ["/".join(keys) for keys, _ in layer_names.flatten(tree)]
+
+
+def test_nested_lora_mapping_in_yaml_and_dotted_keys_on_the_command_line(tmp_path):
+  path = tmp_path / "lora.yml"
+  path.write_text(f"base_config: {BASE_YML}\nlora:\n  enable_lora: true\n  lora_rank: 16\n", encoding="utf-8")
+  values, _ = config_loader.load_raw_config(["t", str(path), "lora.lora_alpha=32"], {})
+  assert (values["enable_lora"], values["lora_rank"], values["lora_alpha"]) == (True, 16, 32.0)
+
+
+def test_only_the_adapters_are_in_the_optimizer_state():
+  _, setup = _setup("lora_module_path=decoder/layers/(self_attention/(query|value)|mlp/wo)")
+  params = _paths(setup.abstract_state.params)
+  adapters = [p for p in params if p.endswith(("/lora_a", "/lora_b"))]
+  assert len(adapters) == 6, params  # query, value, wo: A and B each
+  moments = [p for p in _paths(setup.abstract_state.opt_state) if not p.endswith("count")]
+  assert len(moments) == 2 * len(adapters)  # Adam's mu and nu, of the adapters only
+  assert all(p.endswith(("/lora_a", "/lora_b")) for p in moments), moments
+
+
+def test_adapters_are_sharded_like_the_kernel_they_adapt():
+  _, setup = _setup("lora_module_path=decoder.layers.self_attention.query")
+  query = setup.abstract_state.params["decoder"]["layers"]["self_attention"]["query"]
+  kernel, a, b = (query[k].sharding.spec for k in ("kernel", "lora_a", "lora_b"))
+  assert (a[0], b[-2]) == (kernel[0], kernel[-2])  # A: the input dim's axes; B: the heads'
+
+
+def test_a_module_path_that_selects_nothing_is_one_line():
+  with pytest.raises(ConfigError, match=r"lora_module_path='decoder/nothing' selects no dense layer; .*mlp/wo"):
+    _setup("lora_module_path=decoder/nothing")
+
+
+def test_a_step_moves_the_adapters_only():
+  import jax  # pylint: disable=import-outside-toplevel
+
+  from MaxText import train_state, train_step  # pylint: disable=import-outside-toplevel
+  from MaxText.mesh import create_device_mesh  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.helpers import token_batch  # pylint: disable=import-outside-toplevel
+
+  config, setup = _setup("learning_rate=1e-2", "warmup_steps_fraction=0")
+  mesh = create_device_mesh(config)
+  state = train_state.init_train_state(setup.model, setup.tx, config, mesh, setup.state_shardings)
+  state = state.replace(params=_nonzero_b(state.params))  # a trained-looking B, so that A gets a gradient too
+  new_state, _ = jax.jit(lambda s, b: train_step.train_step(setup.model, config, s, b))(state, token_batch())
+  for path, old, new in zip(_paths(state.params), jax.tree.leaves(state.params), jax.tree.leaves(new_state.params)):
+    moved = not np.array_equal(np.asarray(old), np.asarray(new))
+    assert moved == path.endswith(("/lora_a", "/lora_b")), path
+
+
+def _nonzero_b(params):
+  import jax  # pylint: disable=import-outside-toplevel
+
+  def fill(path, x):
+    return x + 0.01 if str(getattr(path[-1], "key", "")) == "lora_b" else x
+
+  return jax.tree_util.tree_map_with_path(fill, params)
+
+
+@pytest.mark.slow
+def test_lora_sft_run_loss_falls(tmp_path):
+  """30 steps of LoRA SFT on a small repeated chat set (sft_test's): the completion-only loss falls."""
+  from MaxText.tests.sft_test import CHATML, CONVERSATIONS, build_chat_tokenizer  # pylint: disable=import-outside-toplevel
+
+  data = tmp_path / "chat.jsonl"
+  data.write_text("".join(json.dumps({"messages": CONVERSATIONS[i % 3]}) + "\n" for i in range(64)), encoding="utf-8")
+  result, metrics = run_train(
+    tmp_path,
+    "lora",
+    "steps=30",
+    "enable_lora=true",
+    "lora_rank=16",
+    "lora_module_path=decoder/layers/.*",
+    "learning_rate=3e-2",
+    "use_sft=true",
+    "sft_train_on_completion_only=true",
+    "train_data_columns=['messages']",
+    f"tokenizer_path={build_chat_tokenizer(tmp_path / 'tok', CHATML)}",
+    "vocab_size=320",
+    "max_target_length=64",
+    "dataset_type=hf",
+    "hf_path=json",
+    f"hf_train_files={data}",
+    "enable_checkpointing=false",
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  losses = [m["learning/loss"] for m in metrics]
+  assert len(losses) == 30
+  assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5]), losses
