@@ -58,6 +58,8 @@ SECTIONS = {
     "lora_rank": Key("The adapters' rank r.", range=POSITIVE),
     "lora_alpha": Key("The adapters' output is scaled by lora_alpha / lora_rank.", range=Range(0, low_open=True)),
     "lora_module_path": Key("A regex searched in the dense layers' names (decoder/layers/mlp/wo; '.' for '/' too)."),
-    "lora_weight_qtype": Key('The frozen base stored quantized (QLoRA): "" (weight_dtype) or int8.', choices=("", "int8")),
+    "lora_weight_qtype": Key(
+      'The frozen base stored quantized (QLoRA); only "" (weight_dtype) is built yet.', choices=("",)
+    ),
   },
 }
