@@ -103,6 +103,13 @@ LAYOUTS = {
     "num_pipeline_microbatches=8",
   ],
   "stage2_half_pipelined": ["ici_pipeline_parallelism=2", "pipeline_parallel_layers=4"],
+  "stage2_sequence2_expert2": [
+    "ici_pipeline_parallelism=2",
+    "ici_sequence_parallelism=2",
+    "ici_expert_parallelism=2",
+    "ici_fsdp_parallelism=1",
+    "attention=dot_product",
+  ],
   "stage2_delayed_unscanned_ag_once": [
     "ici_pipeline_parallelism=2",
     "ici_data_parallelism=2",
@@ -112,6 +119,8 @@ LAYOUTS = {
   ],
 }
 ACCUMULATION = ["gradient_accumulation_steps=2"]
+# Gemma 3's local and global layers: each stage's layers are told their index in the model.
+GEMMA3 = ["decoder_block=gemma3", "sliding_window_size=8"]
 DECODE = ["max_target_length=24", "max_prefill_predict_length=8", "dataset_type=synthetic"]
 
 
@@ -130,6 +139,8 @@ def _runs(tmp_path) -> list[dict]:
     run("one", 1, checkpoints=True),
     *(run(name, 8, *args) for name, args in LAYOUTS.items()),
     run("one_accumulating", 1, *ACCUMULATION),
+    run("gemma3_one", 1, *GEMMA3),
+    run("gemma3_stage4_fsdp2", 8, *GEMMA3, *LAYOUTS["stage4_fsdp2"]),
     run("stage2_accumulating", 8, "ici_pipeline_parallelism=2", *ACCUMULATION),
     # Saved at step 2 by a 4-stage pipeline (2 repeats: the layers reordered in memory), then resumed by one device
     # and by a 2-stage pipeline of 2 repeats of 2 layers (another order), each training step 3.
@@ -174,9 +185,12 @@ def test_each_pipeline_layout_trains_as_one_device(report, name):
 
 
 @pytest.mark.slow
-def test_pipeline_microbatches_split_each_accumulation_step(report):
-  losses, baseline = report["metrics"]["stage2_accumulating"], report["metrics"]["one_accumulating"]
-  np.testing.assert_allclose([losses[s] for s in range(STEPS)], [baseline[s] for s in range(STEPS)], rtol=1e-5)
+@pytest.mark.parametrize(
+  "name,baseline", [("stage2_accumulating", "one_accumulating"), ("gemma3_stage4_fsdp2", "gemma3_one")]
+)
+def test_accumulation_and_layer_indices_train_as_one_device(report, name, baseline):
+  losses, expected = report["metrics"][name], report["metrics"][baseline]
+  np.testing.assert_allclose([losses[s] for s in range(STEPS)], [expected[s] for s in range(STEPS)], rtol=1e-5)
 
 
 @pytest.mark.slow
