@@ -32,7 +32,10 @@ def main(argv: list[str]) -> None:
 
   max_logging.log("Starting train_compile.py")
   config = pyconfig.initialize(argv, for_compile_topology=True)
-  from MaxText import aot_compile, compile_search, compiled_step_file
+  from MaxText import aot_compile, compile_search, compiled_step_file, pipeline_schedule
+
+  if schedule := pipeline_schedule.resolve(config.get_keys()):
+    max_logging.log(schedule.line())
 
   if config.compile_search:
     fits = compile_search.run(argv, config)

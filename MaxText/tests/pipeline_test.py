@@ -237,3 +237,14 @@ def test_the_compiled_step_moves_activations_between_stages_with_collective_perm
 
   assert permutes("ici_pipeline_parallelism=4", "ici_fsdp_parallelism=2") > 0
   assert permutes("ici_fsdp_parallelism=8") == 0  # none without the pipeline
+
+
+@pytest.mark.slow
+def test_train_compile_compiles_a_pipeline_across_slices_for_tpu():
+  args = ["base_num_decoder_layers=4", "base_emb_dim=256", "base_mlp_dim=512", "head_dim=64", "dataset_type=synthetic"]
+  target = ["compile_topology=v5e-8", "compile_topology_num_slices=2", "dcn_pipeline_parallelism=2"]
+  result = run_python(["MaxText/train_compile.py", "MaxText/configs/base.yml", *args, *target, "per_device_batch_size=1"])
+  out = result.stdout + result.stderr
+  assert result.returncode == 0, out[-3000:]
+  assert "Pipeline: 2 stages, 2 microbatches, 2 repeats, 1 layers per stage; bubble 20.0%" in out
+  assert "mesh stage=2 (2 across slices)" in out and "Verdict: fits" in out
