@@ -34,6 +34,7 @@ _OUTSIDE_THE_STEP = {
   "compile_topology", "compile_topology_num_slices", "compiled_trainstep_file", "compile_search",
   "numerics_debug_config",  # the file's content is in the derived key numerics_debug, which is in the signature
   "save_checkpoint_on_completion", "data_position_on_resume", "gcs_metrics", "save_config_to_gcs",
+  "use_sft", "sft_train_on_completion_only", "use_chat_template", "chat_template", "train_data_columns",  # the data's
 }  # fmt: skip
 
 
