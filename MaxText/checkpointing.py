@@ -17,7 +17,15 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from MaxText import checkpoint_loggers, disk_full, fault_injection, max_logging, params_layout, single_replica_restore
+from MaxText import (
+  checkpoint_loggers,
+  disk_full,
+  fault_injection,
+  lora_training,
+  max_logging,
+  params_layout,
+  single_replica_restore,
+)
 from MaxText.errors import UserError
 from MaxText.input_pipeline.batching import merge_process_states
 
@@ -427,6 +435,15 @@ def load_full_state(path: str, abstract_state):
   return state
 
 
+def _base_params(config, abstract_state, init_fn):
+  """The params other than LoRA's adapters (all of them without LoRA): load_parameters_path's, else a fresh init's
+  (the same for a given init_weights_seed)."""
+  abstract_base = lora_training.split(abstract_state.params)[0]
+  if config.load_parameters_path:
+    return load_params(config.load_parameters_path, abstract_base, config.param_scan_axis)
+  return lora_training.split(init_fn().params)[0]
+
+
 def initial_state(config, manager, abstract_state, init_fn):
   """The state to start from, and the data iterator state to resume (None: start the data afresh).
 
@@ -435,14 +452,19 @@ def initial_state(config, manager, abstract_state, init_fn):
   """
   if manager is not None:
     tier = "the persistent tier " if config.enable_emergency_checkpoint else ""
-    reader = single_replica_restore.reader(config, abstract_state, STATE_ITEM, {DATA_ITEM: DataIteratorHandler()})
-    restored = restore_latest(manager, abstract_state, tier, reader)
+    saved = lora_training.adapters_only(abstract_state)  # a LoRA run saves its adapters, not the frozen base
+    reader = single_replica_restore.reader(config, saved, STATE_ITEM, {DATA_ITEM: DataIteratorHandler()})
+    restored = restore_latest(manager, saved, tier, reader)
+    if restored is not None and saved is not abstract_state:
+      state, data_state = restored
+      base = _base_params(config, abstract_state, init_fn)
+      return state.replace(params=lora_training.join(base, state.params)), data_state
     if restored is not None:
       return restored
   if config.load_parameters_path:
     state = init_fn()
-    params = load_params(config.load_parameters_path, abstract_state.params, config.param_scan_axis)
-    return state.replace(params=params), None
+    params = _base_params(config, abstract_state, init_fn)
+    return state.replace(params=lora_training.join(params, lora_training.split(state.params)[1])), None
   if config.load_full_state_path:
     return load_full_state(config.load_full_state_path, abstract_state), None
   return init_fn(), None
@@ -515,7 +537,7 @@ def save_checkpoint(manager, step: int, state, data_iterator, dataset_type: str 
   start = time.time()
   wait_for_saves(manager)  # Orbax's save waits for the one in flight too; here its failure names its own step
   data_state = data_position(data_iterator, dataset_type)
-  args = {STATE_ITEM: ocp.args.StandardSave(state), DATA_ITEM: DataIteratorSave(data_state)}
+  args = {STATE_ITEM: ocp.args.StandardSave(lora_training.adapters_only(state)), DATA_ITEM: DataIteratorSave(data_state)}
   save = lambda: manager.save(step, args=ocp.args.Composite(**args), force=True)
   disk_full.raise_if_full(manager.directory, step, save, lambda: newest_complete_step(manager.directory))
   fault_injection.kill_during_save(step)  # a test's SIGKILL while the save is in flight

@@ -8,7 +8,9 @@ tokenizer files) and writes OUT/model.yml (the architecture as MaxText config ke
 file), OUT/params (an Orbax params checkpoint for load_parameters_path) and the tokenizer files.
 to_hf reads such a directory, or a training run's directory (<base_output_directory>/<run_name>, its latest
 checkpoint), and writes config.json, safetensors and the tokenizer files that
-transformers.AutoModelForCausalLM.from_pretrained loads.
+transformers.AutoModelForCausalLM.from_pretrained loads. A LoRA run's directory gives PEFT's adapter files
+(adapter_config.json, adapter_model.safetensors) for peft.PeftModel.from_pretrained on the HF base; --merge_lora
+writes the run's base (its load_parameters_path) with the adapters merged instead.
 --check_logits runs both implementations in float32 on fixed random tokens and prints
 `logit check: max_abs_diff=<x> kl=<y>`; it fails above 1e-3 (needs torch and transformers).
 Families: llama (Llama 2, 3, 3.1), mistral, mixtral, gemma, gemma2, gemma3 (text), qwen3, qwen3_moe, deepseek (V3).
@@ -40,6 +42,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   to_hf.add_argument("--maxtext_dir", required=True, help="a to_maxtext output, or a training run's directory")
   to_hf.add_argument("--output_dir", required=True, help="receives config.json, safetensors and tokenizer files")
   to_hf.add_argument("--check_logits", action="store_true", help="compare logits with transformers (float32)")
+  to_hf.add_argument(
+    "--merge_lora", action="store_true", help="a LoRA run: its adapters merged into its base (default: PEFT adapter files)"
+  )
   return parser.parse_args(argv)
 
 
@@ -60,7 +65,7 @@ def main(argv: list[str]) -> None:
     model_yml = os.path.join(args.maxtext_dir, converter.MODEL_YML)
     if args.check_logits and not os.path.isfile(model_yml):  # refused before anything is written
       raise UserError("--check_logits with a run directory is not supported; check the HF output with to_maxtext instead")
-    converter.to_hf(args.maxtext_dir, args.output_dir)
+    converter.to_hf(args.maxtext_dir, args.output_dir, args.merge_lora)
     print(f"Wrote {args.output_dir}", flush=True)
     if args.check_logits:
       config, params_dir = converter.load_maxtext_dir(args.maxtext_dir)

@@ -69,3 +69,10 @@ def join(base: dict, adapters: dict) -> dict:
   for key, value in adapters.items():
     out[key] = join(out.get(key, {}), value) if isinstance(value, dict) else value
   return out
+
+
+def adapters_only(state):
+  """The part of a train state (or of its abstract shape) that a LoRA checkpoint holds: the step, the optimizer
+  state and the adapters; the frozen base comes from load_parameters_path again. A state without adapters as is."""
+  adapters = split(state.params)[1]
+  return state.replace(params=adapters) if adapters else state

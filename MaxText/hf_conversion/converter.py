@@ -13,6 +13,7 @@ from MaxText.hf_conversion import (
   family_for_hf_config,
   hf_io,
   maxtext_io,
+  peft,
   plan,
   tables,
   tokenizer_files,
@@ -211,14 +212,24 @@ def _tokenizer_dir(config, maxtext_dir: str) -> str:
   return path if os.path.isdir(path) else os.path.dirname(path)
 
 
-def to_hf(maxtext_dir: str, output_dir: str) -> str:
-  """Converts a MaxText directory into an HF directory (config.json, safetensors, tokenizer files); returns it."""
+def to_hf(maxtext_dir: str, output_dir: str, merge_lora: bool = False) -> str:
+  """Converts a MaxText directory into an HF directory (config.json, safetensors, tokenizer files); returns it.
+
+  A LoRA run's checkpoint (adapters only) becomes a PEFT adapter directory, or with merge_lora the run's base
+  (its load_parameters_path) with the adapters merged, as a full HF checkpoint (hf_conversion/peft.py).
+  """
   config, params_dir = load_maxtext_dir(maxtext_dir)
   family = family_for_decoder_block(config.decoder_block)
   if os.path.exists(output_dir) and os.listdir(output_dir):
     raise UserError(f"{output_dir} already exists and is not empty; choose another --output_dir (nothing is overwritten)")
   reader = maxtext_io.ParamsReader(params_dir)
   stores = reader.params()
+  if peft.adapted_modules(stores) and not merge_lora:
+    return peft.write_peft(config, family, stores, output_dir)
+  if merge_lora:
+    if not peft.adapted_modules(stores) or not getattr(config, "load_parameters_path", ""):
+      raise UserError(f"--merge_lora needs a LoRA run's directory started from load_parameters_path; {maxtext_dir} is not")
+    stores = peft.merged_stores(config, stores, config.load_parameters_path)
   arrays = plan.plan(
     family, {k: tuple(s.shape) for k, s in stores.items()}, config.param_scan_axis, config.logits_via_embedding, params_dir
   )

@@ -8,7 +8,7 @@ import pytest
 
 from MaxText import config_loader
 from MaxText.errors import ConfigError
-from MaxText.tests.helpers import BASE_YML, run_train, tiny_config
+from MaxText.tests.helpers import BASE_YML, TRAIN_PY, run_python, run_train, tiny_config
 
 
 def _setup(*args):
@@ -110,3 +110,99 @@ def test_lora_sft_run_loss_falls(tmp_path):
   losses = [m["learning/loss"] for m in metrics]
   assert len(losses) == 30
   assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5]), losses
+
+
+def _lora_logits(run_dir: str, base_params: str, model_yml: str, tokens: np.ndarray) -> np.ndarray:
+  """Our LoRA model's float32 logits: the run's config and latest checkpoint's adapters over the base params."""
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  from MaxText import checkpointing, lora_training, train_state  # pylint: disable=import-outside-toplevel
+  from MaxText.hf_conversion import converter  # pylint: disable=import-outside-toplevel
+
+  run_config, items = converter.load_maxtext_dir(run_dir)
+  keys = ("enable_lora", "lora_rank", "lora_alpha", "lora_module_path")
+  config = converter.maxtext_config(
+    model_yml,
+    dtype="float32",
+    weight_dtype="float32",
+    max_target_length=tokens.shape[1],
+    **{k: getattr(run_config, k) for k in keys},
+  )
+  model = train_state.create_model(config)
+  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+  abstract = jax.eval_shape(lambda: model.init({"params": jax.random.PRNGKey(0)}, tokens, positions))["params"]
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), nn.unbox(abstract))
+  base, adapters = lora_training.split(abstract)
+  params = lora_training.join(
+    checkpointing.load_params(base_params, base, config.param_scan_axis),
+    checkpointing.load_params(items, adapters, config.param_scan_axis),
+  )
+  with jax.default_matmul_precision("float32"):
+    return np.asarray(model.apply({"params": params}, tokens, positions))
+
+
+def test_lora_round_trip_peft_and_merged_export_give_our_logits(tmp_path):
+  """A converted tiny HF llama, 3 LoRA steps (attention and MLP), resumed for a 4th; the PEFT export on the HF base
+  and the merged export both give our LoRA model's logits."""
+  import peft  # pylint: disable=import-outside-toplevel  # requirements-test.txt
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+
+  from MaxText import convert_checkpoint  # pylint: disable=import-outside-toplevel
+  from MaxText.hf_conversion import converter, logit_check  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.sft_test import _hf_llama  # pylint: disable=import-outside-toplevel
+
+  hf_dir = _hf_llama(tmp_path / "hf")
+  converter.to_maxtext(hf_dir, str(tmp_path / "maxtext"))
+  model_yml, base_params = str(tmp_path / "maxtext" / converter.MODEL_YML), str(tmp_path / "maxtext" / "params")
+  args = [
+    TRAIN_PY,
+    model_yml,
+    "run_name=lora",
+    f"base_output_directory={tmp_path}",
+    f"load_parameters_path={base_params}",
+    "lora.enable_lora=true",
+    "lora.lora_rank=4",
+    "lora.lora_alpha=8",
+    "lora.lora_module_path=decoder/layers/(self_attention/(query|key|value|out)|mlp/(wi_0|wi_1|wo))",
+    "learning_rate=1e-2",
+    "warmup_steps_fraction=0",
+    "dataset_type=synthetic",
+    "per_device_batch_size=2",
+    "max_target_length=32",
+    "dtype=float32",
+    "enable_tensorboard=false",
+    "checkpoint_period=3",
+  ]
+  for steps in (3, 4):  # the second run resumes from the first one's adapters-only checkpoint
+    result = run_python([*args, f"steps={steps}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+  run_dir = str(tmp_path / "lora")
+  saved = [k for k in maxtext_io_keys(converter.load_maxtext_dir(run_dir)[1]) if k[0] == "params"]
+  assert saved and all(k[-1] in ("lora_a", "lora_b") for k in saved), saved  # the base is not in the checkpoint
+  assert "Restored the checkpoint of step" in result.stdout, result.stdout[-3000:]
+
+  convert_checkpoint.main(["c", "to_hf", "--maxtext_dir", run_dir, "--output_dir", str(tmp_path / "peft")])
+  convert_checkpoint.main(["c", "to_hf", "--maxtext_dir", run_dir, "--output_dir", str(tmp_path / "merged"), "--merge_lora"])
+
+  tokens = logit_check.random_tokens(320, length=24)
+  ours = _lora_logits(run_dir, base_params, model_yml, tokens)
+  base_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+  peft_model = peft.PeftModel.from_pretrained(base_model, str(tmp_path / "peft")).eval()
+  with torch.no_grad():
+    peft_logits = peft_model(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+  merged_logits = logit_check.hf_logits(str(tmp_path / "merged"), tokens)
+  base_logits = logit_check.hf_logits(hf_dir, tokens)
+  peft_diff, merged_diff = np.max(np.abs(peft_logits - ours)), np.max(np.abs(merged_logits - ours))
+  print(f"\nLoRA logits: PEFT vs ours {peft_diff:.2e}, merged vs ours {merged_diff:.2e}")
+  assert np.max(np.abs(base_logits - ours)) > 1e-2  # the adapters moved the model
+  assert peft_diff < 1e-4 and merged_diff < 1e-4
+
+
+def maxtext_io_keys(items: str) -> list[tuple]:
+  from MaxText.hf_conversion import maxtext_io  # pylint: disable=import-outside-toplevel
+
+  return maxtext_io.ParamsReader(items).keys
