@@ -16,6 +16,13 @@ def is_adapter(keys: tuple) -> bool:
   return bool(keys) and keys[-1] in lora.ADAPTER_PARAMS
 
 
+def _zero_like_sharded(g):
+  """Zeros computed from the gradient g, which ties g to the params' sharding: with zeros that do not read it, the
+  base's gradients (only reduced to norms then) were held whole on every device (llama2-7b on v5e-8: 25.5 GiB of
+  temporaries, against 5.5 GiB). where(): a non-finite g still gives 0."""
+  return jnp.where(jnp.isfinite(g), g * 0, 0).astype(g.dtype)
+
+
 def train_adapters_only(optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
   """`optimizer` on the adapters alone: its state holds adapter-shaped trees only, and the base gets zero updates.
 
@@ -30,7 +37,7 @@ def train_adapters_only(optimizer: optax.GradientTransformation) -> optax.Gradie
     base, adapter_grads = split(grads)
     adapter_params = None if params is None else split(params)[1]
     updates, state = optimizer.update(adapter_grads, state, adapter_params)
-    return join(jax.tree.map(jnp.zeros_like, base), updates), state
+    return join(jax.tree.map(_zero_like_sharded, base), updates), state
 
   return optax.GradientTransformation(init, update)
 
