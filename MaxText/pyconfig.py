@@ -216,6 +216,19 @@ def _dataset_type_from_its_keys(values, sources):
     max_logging.log(f"Using dataset_type={dataset_type}, because {key} is set (dataset_type was left at its default)")
 
 
+def _dpo_data(values, sources):
+  """use_dpo turns the default packing off: a pair's two rows must stay one row (input_pipeline/dpo.py)."""
+  if not values["use_dpo"]:
+    return
+  if values["packing"] and config_loader.set_by_user(sources, "packing"):
+    raise ConfigError("use_dpo=true needs packing=false (each row holds one preference pair): leave packing unset")
+  _set(values, sources, "packing", False)
+  if values["eval_interval"] > 0:
+    raise ConfigError("use_dpo=true has no eval step yet: set eval_interval=-1")
+  if values["quantization"] == "fp8":
+    raise ConfigError("use_dpo=true does not run with quantization=fp8 yet (its train state has no reference params)")
+
+
 def _default_axes_within_mesh_axes(values, sources):
   """A mesh_axes without some of base.yml's axes (upstream's has no `expert`): data_sharding and logical_axis_rules,
   where left at their defaults, name only the axes it has. Rules that the user wrote are checked as written."""
@@ -241,6 +254,7 @@ def _derive_static(values, sources, environ):
     config_validation.check_run_name(values["run_name"], origin="JOBSET_NAME")
   _scaled_dims(values, sources)
   _dataset_type_from_its_keys(values, sources)
+  _dpo_data(values, sources)
   _numerics_debug(values, sources)
   _quant_rules(values, sources)
   _warn_unused_companions(values, sources)

@@ -59,6 +59,7 @@ def train_loop(config):
   from MaxText import (
     aot_compile,
     checkpointing,
+    dpo,
     emergency_checkpoint,
     goodput,
     max_logging,
@@ -102,6 +103,7 @@ def train_loop(config):
     )
     if data_state is not None:
       checkpointing.restore_data_position(config, data_iterator, data_state)
+    state = dpo.with_starting_reference(config, state)  # use_dpo: the params it starts from are the reference
     state = pipeline_layout.to_memory(state, config)
     done = int(state.step)
     if done > 0:

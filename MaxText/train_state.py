@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import struct
 from flax.training import train_state
 
-from MaxText import lora_training, memory_check, optimizers, routing_bias, sharding
+from MaxText import dpo, lora_training, memory_check, optimizers, routing_bias, sharding
 from MaxText.diagnostics import numerics_taps
 from MaxText.layers import lora, quantizations
 from MaxText.layers.linears import Gemm
@@ -37,6 +37,9 @@ def _init_boxed_state(model, tx, config, rng) -> train_state.TrainState:
   if quantizations.FP8_COLLECTION in variables:
     fp8_meta = variables[quantizations.FP8_COLLECTION]
     return Fp8TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx, fp8_meta=fp8_meta)
+  if config.use_dpo and not config.enable_lora:  # the reference is a frozen copy (dpo.with_starting_reference)
+    params = variables["params"]
+    return dpo.DpoTrainState.create(apply_fn=model.apply, params=params, tx=tx, reference_params=params)
   return train_state.TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx)
 
 

@@ -14,7 +14,7 @@ import optax
 from flax import struct
 from jax.experimental import checkify
 
-from MaxText import routing_bias, sharding
+from MaxText import dpo, routing_bias, sharding
 from MaxText.diagnostics import nonfinite, numerics_stats, numerics_taps
 from MaxText.layers import context_parallel, models, quantizations
 from MaxText.layers.multi_token_prediction import MTP_LOGITS
@@ -29,11 +29,13 @@ class StepExtras:
     numerics: the numerics statistics taps' inputs (numerics_stats.Plan.step_inputs); their gradient holds the
       reductions of the activation gradients (numerics_taps).
     fp8_meta: quantization=fp8's scales and amax histories; their "gradient" is their new value (quantizations).
+    reference: use_dpo's reference params (dpo.reference_params); the loss holds them constant.
     plan: the numerics statistics plan that made `numerics` (static).
   """
 
   numerics: dict | None = None
   fp8_meta: dict | None = None
+  reference: dict | None = None
   plan: numerics_stats.Plan | None = struct.field(pytree_node=False, default=None)
 
   def collections(self) -> dict:
@@ -48,6 +50,7 @@ class LossAux(NamedTuple):
   weights: jax.Array  # the real target tokens (the loss's denominator)
   aux_losses: dict  # aux_loss_names' terms of the loss, summed over tokens as the loss is (0 in eval)
   sown: dict  # the `intermediates` collection: MoE routing statistics, the numerics taps' reductions
+  metrics: dict | None = None  # use_dpo: dpo.METRICS summed over pairs (not part of the loss)
 
 
 class Gradients(NamedTuple):
@@ -60,6 +63,7 @@ class Gradients(NamedTuple):
   reductions: dict | None = None  # the numerics statistics' raw reductions (numerics_stats.combine adds them)
   fp8_meta: Any = None  # the new fp8 state (microbatches combine by maximum)
   expert_loads: dict | None = None  # routed_bias: the routers' per-expert loads (routing_bias.loads), summed
+  metrics: dict | None = None  # LossAux.metrics, summed
 
 
 NO_EXTRAS = StepExtras()
@@ -95,15 +99,26 @@ def loss_fn(model, config, params, batch, dropout_rng, train: bool, extras: Step
   cross-entropy only.
   """
   batch = context_parallel.reorder(context_parallel.from_config(config), batch)  # the layout attention expects
-  logits, sown = model.apply(
-    {"params": params, **extras.collections()},
-    batch["inputs"],
-    batch["inputs_position"],
-    batch["inputs_segmentation"],
-    deterministic=not (train and config.enable_dropout),
-    rngs={"dropout": dropout_rng},
-    mutable=["intermediates"],
-  )  # (B, T, V) float32
+
+  def forward(params, deterministic):
+    return model.apply(
+      {"params": params, **extras.collections()},
+      batch["inputs"],
+      batch["inputs_position"],
+      batch["inputs_segmentation"],
+      deterministic=deterministic,
+      rngs={"dropout": dropout_rng},
+      mutable=["intermediates"],
+    )  # (B, T, V) float32
+
+  logits, sown = forward(params, not (train and config.enable_dropout))
+  if config.use_dpo:
+    reference_logits, _ = forward(jax.lax.stop_gradient(extras.reference), True)
+    reference_logps = dpo.response_logps(reference_logits, batch)
+    pairs_loss, pairs, metrics = dpo.loss(
+      dpo.response_logps(logits, batch), reference_logps, batch, config.dpo_beta, config.dpo_label_smoothing
+    )
+    return pairs_loss, LossAux(pairs, {}, sown, metrics)
   xent = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])  # (B, T)
   weights = (batch["targets_segmentation"] != 0).astype(jnp.float32)
   total_weights = jnp.sum(weights)
@@ -123,7 +138,7 @@ def _microbatch_gradients(model, config, params, extras: StepExtras, batch, drop
   )
   reductions = None if extras.plan is None else extras.plan.reductions(aux.sown, extras_grads.numerics)
   loads = routing_bias.loads(aux.sown) if config.routed_bias else None
-  return Gradients(loss, aux.weights, aux.aux_losses, grads, reductions, extras_grads.fp8_meta, loads)
+  return Gradients(loss, aux.weights, aux.aux_losses, grads, reductions, extras_grads.fp8_meta, loads, aux.metrics)
 
 
 def _add(a: Gradients, b: Gradients) -> Gradients:
@@ -136,6 +151,7 @@ def _add(a: Gradients, b: Gradients) -> Gradients:
     None if a.reductions is None else numerics_stats.combine(a.reductions, b.reductions),
     None if a.fp8_meta is None else jax.tree.map(jnp.maximum, a.fp8_meta, b.fp8_meta),
     None if a.expert_loads is None else jax.tree.map(jnp.add, a.expert_loads, b.expert_loads),
+    None if a.metrics is None else jax.tree.map(jnp.add, a.metrics, b.metrics),
   )
 
 
@@ -166,6 +182,7 @@ def summed_gradients(model, config, params, extras: StepExtras, batch, dropout_r
     None if extras.plan is None else extras.plan.identity(extras.numerics),
     None if extras.fp8_meta is None else jax.tree.map(lambda m: jnp.full_like(m, -jnp.inf), extras.fp8_meta),
     routing_bias.zero_loads(params, config.param_scan_axis) if config.routed_bias else None,
+    dict.fromkeys(dpo.METRICS, zero) if config.use_dpo else None,
   )
   total, _ = jax.lax.scan(accumulate, nothing, (jax.tree.map(to_microbatches, batch), jnp.arange(steps)))
   return total
@@ -185,7 +202,8 @@ def step_extras(config, state, batch) -> StepExtras:
   plan, numerics = numerics_stats.create_plan(config, state.params), None
   if plan is not None:
     numerics = plan.step_inputs(state.step, 1.0 / jnp.maximum(jnp.sum(batch["targets_segmentation"] != 0), 1.0))
-  return StepExtras(numerics=numerics, fp8_meta=getattr(state, "fp8_meta", None), plan=plan)
+  reference = dpo.reference_params(config, state)
+  return StepExtras(numerics=numerics, fp8_meta=getattr(state, "fp8_meta", None), reference=reference, plan=plan)
 
 
 def train_step(model, config, state, batch):
@@ -246,6 +264,8 @@ def _metrics(config, state, new_state, summed: Gradients, grads, finite, plan) -
   }
   for name, value in summed.aux_losses.items():  # learning/loss includes them (what is minimised), as upstream's
     metrics[f"learning/{name}"] = value / denominator
+  for name, value in (summed.metrics or {}).items():  # use_dpo: means over the pairs
+    metrics[name] = value / denominator
   if finite is not None:
     metrics[nonfinite.SKIPPED] = (~finite).astype(jnp.float32)
     metrics[nonfinite.REPORT] = nonfinite.locate(finite, state.params, grads, config)

@@ -42,6 +42,12 @@ SECTIONS = {
     "use_chat_template": Key("Render prompt/completion records and decode.py's prompt as chat turns."),
     "chat_template": Key('A Jinja2 chat template or a file holding one; "": the tokenizer directory\'s own.'),
     "train_data_columns": Key("The record's columns (upstream's list form of train_data_column; set one of the two)."),
+    # DPO (dpo.py, input_pipeline/dpo.py)
+    "use_dpo": Key("Train on preference pairs: train_data_columns [chosen, rejected] or [prompt, chosen, rejected]."),
+    "dpo_beta": Key("DPO's beta: the strength of the pull towards the reference model.", range=Range(0, low_open=True)),
+    "dpo_label_smoothing": Key(
+      "The share of pairs assumed mislabelled (TRL's sigmoid loss with label smoothing).", range=Range(0, 0.5)
+    ),
     # tfds
     "dataset_path": Key("tfds: the data_dir holding prepared TFDS datasets (local or gs://); never downloads."),
     "dataset_name": Key("tfds: name[/config][:version]."),

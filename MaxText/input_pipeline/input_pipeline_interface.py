@@ -15,13 +15,17 @@ from MaxText.errors import UserError
 from MaxText.input_pipeline import embedded_corpus, grain_source, hf_source, tfds_resplit, tfds_source
 from MaxText.input_pipeline.batching import RowStreamBatcher, ShardStreamBatcher, WorkerRowStreamBatcher
 from MaxText.input_pipeline.documents import DocumentDecoder
+from MaxText.input_pipeline.dpo import DpoDecoder
 from MaxText.input_pipeline.multihost_dataloading import GlobalBatchIterator, data_shards, describe_rows, process_rows
 from MaxText.input_pipeline.sft import SftDecoder
 from MaxText.input_pipeline.synthetic import SyntheticDataIterator
 
 
 def document_decoder(config, train: bool):
-  """record -> document: DocumentDecoder, or with use_sft the chat samples' SftDecoder (the eval data too)."""
+  """record -> document: DocumentDecoder, or with use_sft the chat samples' SftDecoder (the eval data too), or with
+  use_dpo the preference pairs' DpoDecoder."""
+  if config.use_dpo:
+    return DpoDecoder(config, train)
   if config.use_sft:
     return SftDecoder(config, train)
   return DocumentDecoder(

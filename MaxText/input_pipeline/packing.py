@@ -5,6 +5,8 @@ the next row. Each piece of a document in a row is its own segment (ids 1, 2, ..
 positions from 0, which the attention mask and RoPE respect. Without packing, each row holds one
 document, truncated to the row (logged once) and padded. Padding has segment 0 and carries no loss.
 
+A document may carry its own "segment_ids" (1, 2, ...) and "inputs_position" (a DPO pair: two samples in one row).
+
 A document with a "loss_mask" (SFT samples, input_pipeline/sft.py) is never split: one that does not fit in the
 row's room starts the next row. Its targets where the mask is 0 get targets_segmentation 0, which the loss skips,
 while inputs_segmentation keeps attention inside the sample.
@@ -115,10 +117,14 @@ class PackedStream:
         piece = slice(self._offset, self._offset + take)
         row["inputs"][filled : filled + take] = document["inputs"][piece]
         row["targets"][filled : filled + take] = document["targets"][piece]
-        row["inputs_segmentation"][filled : filled + take] = segment
-        row["inputs_position"][filled : filled + take] = np.arange(take)
+        # A document may hold several segments of its own (a DPO pair, input_pipeline/dpo.py), with their positions.
+        segments = segment if "segment_ids" not in document else segment - 1 + document["segment_ids"][piece]
+        row["inputs_segmentation"][filled : filled + take] = segments
+        positions = document["inputs_position"][piece] if "inputs_position" in document else np.arange(take)
+        row["inputs_position"][filled : filled + take] = positions
         mask = document.get("loss_mask")
-        row["targets_segmentation"][filled : filled + take] = segment if mask is None else segment * mask[piece]
+        row["targets_segmentation"][filled : filled + take] = segments if mask is None else segments * mask[piece]
+        segment = int(np.max(segments))
         filled += take
         self._offset += take
       if not self._packing or self._offset >= len(document["inputs"]) or "loss_mask" in document:
