@@ -435,12 +435,21 @@ def load_full_state(path: str, abstract_state):
   return state
 
 
+def _load_parameters(config, abstract_params) -> tuple[dict, dict]:
+  """load_parameters_path's params as (base, adapters). The adapters are {} unless the run has LoRA on and the
+  checkpoint holds some (a PEFT adapter read in by convert_checkpoint.py to_maxtext --peft_adapter)."""
+  tree = _tree_metadata(config.load_parameters_path, "load_parameters_path")
+  base, adapters = lora_training.split(abstract_params)
+  if adapters and lora_training.split(tree["params"])[1]:
+    return lora_training.split(load_params(config.load_parameters_path, abstract_params, config.param_scan_axis))
+  return load_params(config.load_parameters_path, base, config.param_scan_axis), {}
+
+
 def _base_params(config, abstract_state, init_fn):
   """The params other than LoRA's adapters (all of them without LoRA): load_parameters_path's, else a fresh init's
   (the same for a given init_weights_seed)."""
-  abstract_base = lora_training.split(abstract_state.params)[0]
   if config.load_parameters_path:
-    return load_params(config.load_parameters_path, abstract_base, config.param_scan_axis)
+    return _load_parameters(config, abstract_state.params)[0]
   return lora_training.split(init_fn().params)[0]
 
 
@@ -463,8 +472,8 @@ def initial_state(config, manager, abstract_state, init_fn):
       return restored
   if config.load_parameters_path:
     state = init_fn()
-    params = _base_params(config, abstract_state, init_fn)
-    return state.replace(params=lora_training.join(params, lora_training.split(state.params)[1])), None
+    base, adapters = _load_parameters(config, abstract_state.params)
+    return state.replace(params=lora_training.join(base, adapters or lora_training.split(state.params)[1])), None
   if config.load_full_state_path:
     return load_full_state(config.load_full_state_path, abstract_state), None
   return init_fn(), None

@@ -10,7 +10,8 @@ to_hf reads such a directory, or a training run's directory (<base_output_direct
 checkpoint), and writes config.json, safetensors and the tokenizer files that
 transformers.AutoModelForCausalLM.from_pretrained loads. A LoRA run's directory gives PEFT's adapter files
 (adapter_config.json, adapter_model.safetensors) for peft.PeftModel.from_pretrained on the HF base; --merge_lora
-writes the run's base (its load_parameters_path) with the adapters merged instead.
+writes the run's base (its load_parameters_path) with the adapters merged instead. to_maxtext --peft_adapter DIR
+also reads a PEFT LoRA adapter of the --hf_path model: its adapters join OUT/params and model.yml turns LoRA on.
 --check_logits runs both implementations in float32 on fixed random tokens and prints
 `logit check: max_abs_diff=<x> kl=<y>`; it fails above 1e-3 (needs torch and transformers).
 Families: llama (Llama 2, 3, 3.1), mistral, mixtral, gemma, gemma2, gemma3 (text), qwen3, qwen3_moe, deepseek (V3).
@@ -38,6 +39,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   to_maxtext.add_argument("--hf_path", required=True, help="a local Hugging Face model directory")
   to_maxtext.add_argument("--output_dir", required=True, help="receives model.yml, params/ and the tokenizer files")
   to_maxtext.add_argument("--check_logits", action="store_true", help="compare logits with transformers (float32)")
+  to_maxtext.add_argument("--peft_adapter", default="", help="a PEFT LoRA adapter of the --hf_path model to read in too")
   to_hf = commands.add_parser("to_hf", help="MaxText directory -> Hugging Face directory")
   to_hf.add_argument("--maxtext_dir", required=True, help="a to_maxtext output, or a training run's directory")
   to_hf.add_argument("--output_dir", required=True, help="receives config.json, safetensors and tokenizer files")
@@ -56,7 +58,7 @@ def main(argv: list[str]) -> None:
   if args.check_logits:
     logit_check.require_torch()  # fail before converting, not after
   if args.command == "to_maxtext":
-    model_yml = converter.to_maxtext(args.hf_path, args.output_dir)
+    model_yml = converter.to_maxtext(args.hf_path, args.output_dir, args.peft_adapter)
     print(f"Wrote {model_yml} and {os.path.join(args.output_dir, converter.PARAMS_DIR)}", flush=True)
     if args.check_logits:
       config = converter.maxtext_config(model_yml)

@@ -94,8 +94,12 @@ class _Progress:
     self._bar.update(nbytes)
 
 
-def to_maxtext(hf_path: str, output_dir: str) -> str:
-  """Converts an HF model directory into output_dir/{model.yml, params/, tokenizer files}; returns model.yml's path."""
+def to_maxtext(hf_path: str, output_dir: str, peft_adapter: str = "") -> str:
+  """Converts an HF model directory into output_dir/{model.yml, params/, tokenizer files}; returns model.yml's path.
+
+  peft_adapter: a PEFT LoRA adapter directory of that model; its adapters join the params and model.yml turns LoRA
+  on for exactly the modules it adapts (hf_conversion/peft.py).
+  """
   hf_cfg = read_hf_config(hf_path)
   where = os.path.join(hf_path, "config.json")
   family = family_for_hf_config(hf_cfg, where)
@@ -106,6 +110,8 @@ def to_maxtext(hf_path: str, output_dir: str) -> str:
   _dequantize(hf_cfg, checkpoint, where)
   if family.checkpoint_keys is not None:
     keys = family.checkpoint_keys(keys, checkpoint.names())
+  if peft_adapter:
+    keys.update(peft.lora_keys(family, peft_adapter, keys["base_num_decoder_layers"]))
   writer = maxtext_io.ParamsWriter(os.path.join(output_dir, PARAMS_DIR))  # refuses a non-empty one
   tokenizer = tokenizer_files.copy_to_maxtext(hf_path, output_dir)
   if tokenizer:
@@ -128,6 +134,9 @@ def to_maxtext(hf_path: str, output_dir: str) -> str:
       value = tables.to_maxtext(checkpoint.get(name), op, array.slice_shape)
       store[s.index].write(np.ascontiguousarray(value, dtype=store.dtype.numpy_dtype)).result()
       bar.update(value.nbytes)
+  if peft_adapter:
+    shapes = abstract_param_shapes(config)
+    peft.write_adapter(family, peft_adapter, shapes, config.param_scan_axis, keys["lora_rank"], writer.create)
   writer.finish()
   return model_yml
 

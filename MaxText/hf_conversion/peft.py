@@ -119,3 +119,78 @@ def merged_stores(config, adapter_stores: dict, base_dir: str) -> dict:
       merged_kernel = kernel + scale * (a.reshape(-1, a.shape[-1]) @ b.reshape(b.shape[0], -1)).reshape(kernel.shape)
     merged[kernel_keys] = _InMemory(merged_kernel.astype(kernel.dtype))
   return merged
+
+
+def _in_dims(op: str) -> int:
+  return 2 if op == "heads_out" else 1  # heads_out's kernel is (N, D, E); the others' input is one dim
+
+
+def read_adapter_config(adapter_dir: str) -> dict:
+  path = os.path.join(adapter_dir, ADAPTER_CONFIG)
+  if not os.path.isfile(path):
+    raise UserError(f"--peft_adapter {adapter_dir} has no {ADAPTER_CONFIG} (a PEFT adapter directory)")
+  with open(path, encoding="utf-8") as f:
+    adapter_config = json.load(f)
+  if adapter_config.get("peft_type") != "LORA" or adapter_config.get("use_rslora") or adapter_config.get("use_dora"):
+    raise UserError(f"{path}: only plain LoRA adapters are read (peft_type LORA, without rslora or DoRA)")
+  return adapter_config
+
+
+def lora_keys(family, adapter_dir: str, num_layers: int) -> dict:
+  """The config keys of the adapter: enable_lora, lora_rank, lora_alpha, and lora_module_path naming exactly the
+  modules it adapts (every layer's; an adapter of some layers only is refused)."""
+  adapter_config = read_adapter_config(adapter_dir)
+  if family.layers_per_block != 1:
+    raise UserError(f"--peft_adapter for {family.name} (layers stacked in blocks) is not supported yet")
+  names = set(hf_io.SafetensorsFile(os.path.join(adapter_dir, ADAPTER_WEIGHTS)).keys())
+  modules = []
+  for param in family.layer_params:
+    if param.experts or not param.maxtext.endswith("/kernel"):
+      continue
+    present = [
+      f"base_model.model.{param.hf.format(i=i).removesuffix('.weight')}.lora_A.weight" in names for i in range(num_layers)
+    ]
+    if any(present) and not all(present):
+      raise UserError(f"--peft_adapter {adapter_dir} adapts {param.hf} in some layers only; MaxText adapts all or none")
+    if all(present):
+      modules.append(param.maxtext.removesuffix("/kernel"))
+  if not modules:
+    raise UserError(f"--peft_adapter {adapter_dir} adapts none of the {family.name} layers' projections")
+  rank = int(adapter_config["r"])
+  return {
+    "enable_lora": True,
+    "lora_rank": rank,
+    "lora_alpha": float(adapter_config.get("lora_alpha", rank)),
+    "lora_module_path": f"^decoder/layers/({'|'.join(modules)})$",
+  }
+
+
+def write_adapter(family, adapter_dir: str, shapes: dict, scan_axis: int, rank: int, create) -> None:
+  """Writes the PEFT adapter's A and B as MaxText's lora_a and lora_b, stacked on scan_axis like the kernels of
+  `shapes` (key path -> shape of the model's scanned params), through create(keys, shape, dtype) -> TensorStore."""
+  weights = hf_io.SafetensorsFile(os.path.join(adapter_dir, ADAPTER_WEIGHTS))
+  names = set(weights.keys())
+  for param in family.layer_params:
+    kernel_keys = ("decoder", "layers", *param.maxtext.split("/"))
+    first = f"base_model.model.{param.hf.format(i=0).removesuffix('.weight')}.lora_A.weight"
+    if param.experts or kernel_keys not in shapes or first not in names:
+      continue
+    module = kernel_keys[:-1]
+    kernel_shape = list(shapes[kernel_keys])
+    layers = kernel_shape.pop(scan_axis)
+    n_in = _in_dims(param.op)
+    a_layers, b_layers = [], []
+    for i in range(layers):
+      name = f"base_model.model.{param.hf.format(i=i).removesuffix('.weight')}"
+      a, b = weights.get(f"{name}.lora_A.weight"), weights.get(f"{name}.lora_B.weight")
+      fan_in, fan_out = int(np.prod(kernel_shape[:n_in])), int(np.prod(kernel_shape[n_in:]))
+      if a.shape != (rank, fan_in) or b.shape != (fan_out, rank):
+        raise UserError(
+          f"--peft_adapter {adapter_dir}: {name} has lora_A {list(a.shape)} and lora_B {list(b.shape)}; this base "
+          f"needs {[rank, fan_in]} and {[fan_out, rank]} (an adapter of another base model?)"
+        )
+      a_layers.append(a.T.reshape(*kernel_shape[:n_in], rank))
+      b_layers.append(b.T.reshape(rank, *kernel_shape[n_in:]))
+    for keys, stacked in ((module + ("lora_a",), a_layers), (module + ("lora_b",), b_layers)):
+      value = np.stack(stacked, axis=scan_axis).astype(np.float32)
+      create(("params", *keys), value.shape, value.dtype).write(value).result()

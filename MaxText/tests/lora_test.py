@@ -206,3 +206,99 @@ def maxtext_io_keys(items: str) -> list[tuple]:
   from MaxText.hf_conversion import maxtext_io  # pylint: disable=import-outside-toplevel
 
   return maxtext_io.ParamsReader(items).keys
+
+
+def _peft_adapter(hf_dir: str, out_dir: str) -> str:
+  """A PEFT LoRA adapter (r 4, q_proj, o_proj and down_proj) with random A and B, saved as PEFT saves one."""
+  import peft  # pylint: disable=import-outside-toplevel
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+
+  torch.manual_seed(1)
+  base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+  lora_config = peft.LoraConfig(
+    r=4, lora_alpha=12, target_modules=["q_proj", "o_proj", "down_proj"], init_lora_weights=False
+  )
+  peft.get_peft_model(base, lora_config).save_pretrained(out_dir)
+  return out_dir
+
+
+def test_to_maxtext_reads_a_peft_adapter_and_gives_its_logits(tmp_path):
+  import peft  # pylint: disable=import-outside-toplevel
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+
+  from MaxText import convert_checkpoint  # pylint: disable=import-outside-toplevel
+  from MaxText.hf_conversion import converter, logit_check  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.sft_test import _hf_llama  # pylint: disable=import-outside-toplevel
+
+  hf_dir = _hf_llama(tmp_path / "hf")
+  adapter = _peft_adapter(hf_dir, str(tmp_path / "adapter"))
+  out = tmp_path / "maxtext"
+  convert_checkpoint.main(["c", "to_maxtext", "--hf_path", hf_dir, "--peft_adapter", adapter, "--output_dir", str(out)])
+  tokens = logit_check.random_tokens(320, length=24)
+  model_yml = str(out / converter.MODEL_YML)
+  ours = _lora_logits_of_params(model_yml, str(out / "params"), tokens)
+  base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+  with torch.no_grad():
+    expected = peft.PeftModel.from_pretrained(base, adapter).eval()(torch.from_numpy(tokens.astype(np.int64))).logits
+  diff = np.max(np.abs(expected.numpy() - ours))
+  print(f"\nPEFT adapter read in: ours vs PeftModel {diff:.2e}")
+  assert diff < 1e-4
+
+  # A run started from those params starts from the adapter, not from fresh adapters.
+  import jax  # pylint: disable=import-outside-toplevel
+
+  from MaxText import checkpointing, pyconfig, train_state  # pylint: disable=import-outside-toplevel
+  from MaxText.mesh import create_device_mesh  # pylint: disable=import-outside-toplevel
+
+  config = pyconfig.initialize(["t", model_yml, "run_name=t", f"load_parameters_path={out / 'params'}"], environ={})
+  mesh = create_device_mesh(config)
+  setup = train_state.build(config, mesh)
+  init = lambda: train_state.init_train_state(setup.model, setup.tx, config, mesh, setup.state_shardings)
+  state, _ = checkpointing.initial_state(config, None, setup.abstract_state, init)
+  wo = state.params["decoder"]["layers"]["mlp"]["wo"]
+  expected_b = peft_file(adapter)["base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"].T
+  np.testing.assert_array_equal(np.take(np.asarray(jax.device_get(wo["lora_b"])), 1, config.param_scan_axis), expected_b)
+
+
+def test_a_peft_adapter_of_another_base_is_one_line(tmp_path):
+  from MaxText.errors import UserError  # pylint: disable=import-outside-toplevel
+  from MaxText.hf_conversion import converter  # pylint: disable=import-outside-toplevel
+  from MaxText.tests import sft_test  # pylint: disable=import-outside-toplevel
+
+  other = sft_test.LLAMA
+  try:
+    sft_test.LLAMA = {**other, "hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1}
+    adapter = _peft_adapter(sft_test._hf_llama(tmp_path / "other"), str(tmp_path / "adapter"))
+  finally:
+    sft_test.LLAMA = other
+  hf_dir = sft_test._hf_llama(tmp_path / "hf")
+  with pytest.raises(UserError, match=r"q_proj has lora_A \[4, 32\] .* needs \[4, 64\] .*another base model"):
+    converter.to_maxtext(hf_dir, str(tmp_path / "maxtext"), adapter)
+
+
+def _lora_logits_of_params(model_yml: str, params_dir: str, tokens: np.ndarray) -> np.ndarray:
+  """Our LoRA model's float32 logits with the LoRA config of model_yml and params_dir's base and adapters."""
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  from MaxText import checkpointing, train_state  # pylint: disable=import-outside-toplevel
+  from MaxText.hf_conversion import converter  # pylint: disable=import-outside-toplevel
+
+  config = converter.maxtext_config(model_yml, dtype="float32", weight_dtype="float32", max_target_length=tokens.shape[1])
+  model = train_state.create_model(config)
+  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+  abstract = jax.eval_shape(lambda: model.init({"params": jax.random.PRNGKey(0)}, tokens, positions))["params"]
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), nn.unbox(abstract))
+  params = checkpointing.load_params(params_dir, abstract, config.param_scan_axis)
+  with jax.default_matmul_precision("float32"):
+    return np.asarray(model.apply({"params": params}, tokens, positions))
+
+
+def peft_file(adapter_dir: str) -> dict:
+  from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
+
+  return load_file(f"{adapter_dir}/adapter_model.safetensors")
