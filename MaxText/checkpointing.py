@@ -1,8 +1,9 @@
-"""Orbax checkpoints of the train state and of the data iterator's position, and how a run starts.
+"""Orbax checkpoints of the train state and of the data iterator's position: the manager, save, and restore with
+its checks.
 
 Layout: <checkpoint_dir>/<N>/items (the TrainState after step N, so a restored run continues at N+1)
-and <checkpoint_dir>/<N>/data_iter (one JSON file per process). A run starts from, in order: its own
-latest good checkpoint; load_parameters_path (params only); load_full_state_path; a fresh init.
+and <checkpoint_dir>/<N>/data_iter (one JSON file per process). Which of them, or which other checkpoint, a run
+starts from is starting_state.py's.
 """
 
 import contextlib
@@ -233,11 +234,12 @@ def _quarantine(manager, step: int, reason: str) -> None:
   manager.reload()
 
 
-def _short(error: Exception) -> str:
+def short_error(error: Exception) -> str:
+  """An error as one line of at most 300 characters, its type first."""
   return " ".join(f"{type(error).__name__}: {error}".split())[:300]
 
 
-def _tree_metadata(path, key: str) -> dict:
+def tree_metadata(path, key: str) -> dict:
   """The array-metadata tree of an Orbax PyTree checkpoint, or a UserError naming the key that pointed at it."""
   if not epath.Path(path).exists():
     converted = epath.Path(path).parent.parent / "params"  # upstream's converters wrote OUT/0/items
@@ -253,7 +255,7 @@ def _tree_metadata(path, key: str) -> dict:
     tree = metadata.item_metadata.tree
   except Exception as e:  # pylint: disable=broad-except  # not a checkpoint at all, or a damaged one
     raise UserError(
-      f"{key}={path} is not an Orbax checkpoint's items directory (e.g. <run>/checkpoints/<N>/items): {_short(e)}"
+      f"{key}={path} is not an Orbax checkpoint's items directory (e.g. <run>/checkpoints/<N>/items): {short_error(e)}"
     ) from None
   if not isinstance(tree, dict) or "params" not in tree:
     keys = ", ".join(tree) if isinstance(tree, dict) else type(tree).__name__
@@ -301,12 +303,12 @@ def _why_restore_failed(where: str, tree, error: Exception | None) -> tuple[int,
   Process 0 reads the files back as plain arrays: that tells a damaged checkpoint (_DAMAGED) from one that
   cannot be read right now (_UNREADABLE) and from one that is intact but does not fit this run (_OK).
   """
-  reason = _short(error) if error else "failed on another process"
+  reason = short_error(error) if error else "failed on another process"
   verdict = _OK
   if jax.process_index() == 0:
     host_error = _readable_on_host(where, tree)
     verdict = _verdict(host_error)
-    reason = _short(host_error) if host_error else reason
+    reason = short_error(host_error) if host_error else reason
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
 
@@ -342,9 +344,9 @@ def restore_latest(manager, abstract_state, tier: str = "", reader=None):
       error = e
     verdict = _worst_on_any_process(_verdict(error))
     if verdict == _UNREADABLE:
-      raise _unreadable(where, _short(error) if error else "the read failed on another process")
+      raise _unreadable(where, short_error(error) if error else "the read failed on another process")
     if verdict == _DAMAGED:
-      _quarantine(manager, step, _short(error) if error else "unreadable on another process")
+      _quarantine(manager, step, short_error(error) if error else "unreadable on another process")
       damaged = True
       continue
     check_checkpoint_fits(saved_params, abstract_state.params, where)
@@ -407,7 +409,7 @@ def load_params(path: str, abstract_params, scan_axis: int = 1, key: str = "load
   `abstract_params` (params_layout restacks them on the devices); scan_axis is the run's param_scan_axis.
   `key` is the config key that named the path (for error messages).
   """
-  tree = _tree_metadata(path, key)
+  tree = tree_metadata(path, key)
   saved_layout = params_layout.saved_layout(tree["params"], abstract_params, scan_axis)
   check_checkpoint_fits(tree["params"], saved_layout, path)
   target = {"params": saved_layout}
@@ -418,65 +420,6 @@ def load_params(path: str, abstract_params, scan_axis: int = 1, key: str = "load
     )
   max_logging.log(f"Loaded parameters from {path}")
   return params_layout.to_run_layout(restored["params"], abstract_params, scan_axis)
-
-
-def load_full_state(path: str, abstract_state):
-  """A whole TrainState (params, optimizer state, step) from an Orbax checkpoint's items directory."""
-  tree = _tree_metadata(path, "load_full_state_path")
-  if "opt_state" not in tree:
-    raise UserError(f"load_full_state_path={path} holds params only (no optimizer state); use load_parameters_path")
-  check_checkpoint_fits(tree["params"], abstract_state.params, path)
-  check_quantization_state(tree, abstract_state, path, path)
-  try:
-    state = ocp.StandardCheckpointer().restore(path, abstract_state)
-  except Exception as e:  # pylint: disable=broad-except  # e.g. another optimizer's state
-    raise UserError(f"load_full_state_path={path} does not fit this run's train state: {_short(e)}") from None
-  max_logging.log(f"Loaded the full train state (step {int(state.step)}) from {path}")
-  return state
-
-
-def _load_parameters(config, abstract_params) -> tuple[dict, dict]:
-  """load_parameters_path's params as (base, adapters). The adapters are {} unless the run has LoRA on and the
-  checkpoint holds some (a PEFT adapter read in by convert_checkpoint.py to_maxtext --peft_adapter)."""
-  tree = _tree_metadata(config.load_parameters_path, "load_parameters_path")
-  base, adapters = lora_training.split(abstract_params)
-  if adapters and lora_training.split(tree["params"])[1]:
-    return lora_training.split(load_params(config.load_parameters_path, abstract_params, config.param_scan_axis))
-  return load_params(config.load_parameters_path, base, config.param_scan_axis), {}
-
-
-def _base_params(config, abstract_state, init_fn):
-  """The params other than LoRA's adapters (all of them without LoRA): load_parameters_path's, else a fresh init's
-  (the same for a given init_weights_seed)."""
-  if config.load_parameters_path:
-    return _load_parameters(config, abstract_state.params)[0]
-  return lora_training.split(init_fn().params)[0]
-
-
-def initial_state(config, manager, abstract_state, init_fn):
-  """The state to start from, and the data iterator state to resume (None: start the data afresh).
-
-  In order: this run's latest good checkpoint; load_parameters_path (a fresh state with those params);
-  load_full_state_path; init_fn() (a fresh state).
-  """
-  if manager is not None:
-    tier = "the persistent tier " if config.enable_emergency_checkpoint else ""
-    saved = lora_training.adapters_only(abstract_state)  # a LoRA run saves its adapters, not the frozen base
-    reader = single_replica_restore.reader(config, saved, STATE_ITEM, {DATA_ITEM: DataIteratorHandler()})
-    restored = restore_latest(manager, saved, tier, reader)
-    if restored is not None and saved is not abstract_state:
-      state, data_state = restored
-      base = _base_params(config, abstract_state, init_fn)
-      return state.replace(params=lora_training.join(base, state.params)), data_state
-    if restored is not None:
-      return restored
-  if config.load_parameters_path:
-    state = init_fn()
-    base, adapters = _load_parameters(config, abstract_state.params)
-    return state.replace(params=lora_training.join(base, adapters or lora_training.split(state.params)[1])), None
-  if config.load_full_state_path:
-    return load_full_state(config.load_full_state_path, abstract_state), None
-  return init_fn(), None
 
 
 def restore_data_position(config, data_iterator, data_state) -> None:

@@ -24,7 +24,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 from orbax.checkpoint import type_handlers
 
-from MaxText import checkpointing, max_logging
+from MaxText import checkpointing, max_logging, starting_state
 
 _AGREED_STEPS = 16  # the newest local steps each process offers when the processes agree on one
 
@@ -141,13 +141,13 @@ def restore_local(tier: LocalTier, persistent_step: int | None, abstract_state):
 
 
 def initial_state(config, manager, tier: LocalTier | None, abstract_state, init_fn):
-  """checkpointing.initial_state, preceded by the local tier when every process holds a step newer than the
+  """starting_state.initial_state, preceded by the local tier when every process holds a step newer than the
   persistent tier's newest."""
   restored = None
   if tier is not None:
     restored = restore_local(tier, checkpointing.newest_complete_step(config.checkpoint_dir), abstract_state)
   if restored is None:
-    restored = checkpointing.initial_state(config, manager, abstract_state, init_fn)
+    restored = starting_state.initial_state(config, manager, abstract_state, init_fn)
   if tier is not None:
     tier.drop_newer_than(int(restored[0].step) - 1)  # the step restored (the state holds the next one)
   return restored

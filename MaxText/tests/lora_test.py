@@ -249,14 +249,14 @@ def test_to_maxtext_reads_a_peft_adapter_and_gives_its_logits(tmp_path):
   # A run started from those params starts from the adapter, not from fresh adapters.
   import jax  # pylint: disable=import-outside-toplevel
 
-  from MaxText import checkpointing, pyconfig, train_state  # pylint: disable=import-outside-toplevel
+  from MaxText import pyconfig, starting_state, train_state  # pylint: disable=import-outside-toplevel
   from MaxText.mesh import create_device_mesh  # pylint: disable=import-outside-toplevel
 
   config = pyconfig.initialize(["t", model_yml, "run_name=t", f"load_parameters_path={out / 'params'}"], environ={})
   mesh = create_device_mesh(config)
   setup = train_state.build(config, mesh)
   init = lambda: train_state.init_train_state(setup.model, setup.tx, config, mesh, setup.state_shardings)
-  state, _ = checkpointing.initial_state(config, None, setup.abstract_state, init)
+  state, _ = starting_state.initial_state(config, None, setup.abstract_state, init)
   wo = state.params["decoder"]["layers"]["mlp"]["wo"]
   expected_b = peft_file(adapter)["base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"].T
   np.testing.assert_array_equal(np.take(np.asarray(jax.device_get(wo["lora_b"])), 1, config.param_scan_axis), expected_b)

@@ -32,6 +32,6 @@ def test_upstreams_converted_layout_points_at_the_params(tmp_path):
     UserError,
     match=rf"convert_checkpoint.py writes its params to {tmp_path}/params .*load_parameters_path={tmp_path}/params$",
   ):
-    checkpointing._tree_metadata(str(tmp_path / "0" / "items"), "load_parameters_path")  # pylint: disable=protected-access
+    checkpointing.tree_metadata(str(tmp_path / "0" / "items"), "load_parameters_path")
   with pytest.raises(UserError, match=r"does not exist$"):
-    checkpointing._tree_metadata(str(tmp_path / "elsewhere" / "items"), "load_parameters_path")  # pylint: disable=protected-access
+    checkpointing.tree_metadata(str(tmp_path / "elsewhere" / "items"), "load_parameters_path")

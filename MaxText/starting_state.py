@@ -1,0 +1,76 @@
+"""The state a run starts from (and, when it resumes its own checkpoint, the data position saved with it).
+
+In order: the run's own latest good checkpoint (with LoRA: its adapters, joined onto the base); load_parameters_path
+(a fresh state with those params; with LoRA the base, and the adapters too when the checkpoint holds some);
+load_full_state_path (params, optimizer state and step); a fresh init. checkpointing.py reads and checks each.
+"""
+
+import orbax.checkpoint as ocp
+
+from MaxText import checkpointing, lora_training, max_logging, single_replica_restore
+from MaxText.errors import UserError
+
+
+def load_full_state(path: str, abstract_state):
+  """A whole TrainState (params, optimizer state, step) from an Orbax checkpoint's items directory."""
+  tree = checkpointing.tree_metadata(path, "load_full_state_path")
+  if "opt_state" not in tree:
+    raise UserError(f"load_full_state_path={path} holds params only (no optimizer state); use load_parameters_path")
+  checkpointing.check_checkpoint_fits(tree["params"], abstract_state.params, path)
+  checkpointing.check_quantization_state(tree, abstract_state, path, path)
+  try:
+    state = ocp.StandardCheckpointer().restore(path, abstract_state)
+  except Exception as e:  # pylint: disable=broad-except  # e.g. another optimizer's state
+    raise UserError(
+      f"load_full_state_path={path} does not fit this run's train state: {checkpointing.short_error(e)}"
+    ) from None
+  max_logging.log(f"Loaded the full train state (step {int(state.step)}) from {path}")
+  return state
+
+
+def _load_parameters(config, abstract_params) -> tuple[dict, dict]:
+  """load_parameters_path's params as (base, adapters). The adapters are {} unless the run has LoRA on and the
+  checkpoint holds some (a PEFT adapter read in by convert_checkpoint.py to_maxtext --peft_adapter)."""
+  tree = checkpointing.tree_metadata(config.load_parameters_path, "load_parameters_path")
+  base, adapters = lora_training.split(abstract_params)
+  if adapters and lora_training.split(tree["params"])[1]:
+    return lora_training.split(
+      checkpointing.load_params(config.load_parameters_path, abstract_params, config.param_scan_axis)
+    )
+  return checkpointing.load_params(config.load_parameters_path, base, config.param_scan_axis), {}
+
+
+def _base_params(config, abstract_state, init_fn):
+  """The params other than LoRA's adapters (all of them without LoRA): load_parameters_path's, else a fresh init's
+  (the same for a given init_weights_seed)."""
+  if config.load_parameters_path:
+    return _load_parameters(config, abstract_state.params)[0]
+  return lora_training.split(init_fn().params)[0]
+
+
+def initial_state(config, manager, abstract_state, init_fn):
+  """The state to start from, and the data iterator state to resume (None: start the data afresh).
+
+  In order: this run's latest good checkpoint; load_parameters_path (a fresh state with those params);
+  load_full_state_path; init_fn() (a fresh state).
+  """
+  if manager is not None:
+    tier = "the persistent tier " if config.enable_emergency_checkpoint else ""
+    saved = lora_training.adapters_only(abstract_state)  # a LoRA run saves its adapters, not the frozen base
+    reader = single_replica_restore.reader(
+      config, saved, checkpointing.STATE_ITEM, {checkpointing.DATA_ITEM: checkpointing.DataIteratorHandler()}
+    )
+    restored = checkpointing.restore_latest(manager, saved, tier, reader)
+    if restored is not None and saved is not abstract_state:
+      state, data_state = restored
+      base = _base_params(config, abstract_state, init_fn)
+      return state.replace(params=lora_training.join(base, state.params)), data_state
+    if restored is not None:
+      return restored
+  if config.load_parameters_path:
+    state = init_fn()
+    base, adapters = _load_parameters(config, abstract_state.params)
+    return state.replace(params=lora_training.join(base, adapters or lora_training.split(state.params)[1])), None
+  if config.load_full_state_path:
+    return load_full_state(config.load_full_state_path, abstract_state), None
+  return init_fn(), None
