@@ -8,8 +8,9 @@ Messages are rendered with the chat template (chat_template.py); prompt/completi
 become a user turn and an assistant turn, else their texts are concatenated (BOS/EOS per add_bos/add_eos). With
 sft_train_on_completion_only=true only the assistant turns (content and end-of-turn token) or the completion
 carry loss. A conversation longer than max_target_length is truncated (packing never splits one across rows);
-one left with no loss token is dropped. The counts are logged at the first such sample and at every 10x of
-samples read.
+one left with no loss token is dropped, and 1000 dropped in a row stop the run with one line (an endless stream of
+such samples would otherwise never yield a row). The counts are logged at the first such sample and at every 10x of
+samples read (from 1000).
 """
 
 import json
@@ -21,6 +22,8 @@ from MaxText.errors import UserError
 from MaxText.input_pipeline import tf_example
 from MaxText.input_pipeline.chat_template import ChatRenderer
 from MaxText.tokenizer import build_tokenizer
+
+MAX_DROPPED_IN_A_ROW = 1000
 
 
 def data_columns(config) -> list[str]:
@@ -83,6 +86,7 @@ class SftDecoder:
     self.use_chat_template = config.use_chat_template or len(self.columns) == 1
     self._renderer = None
     self.counts = {"read": 0, "truncated": 0, "dropped": 0}
+    self._dropped_in_a_row = 0
     self.renderer()  # a bad tokenizer or template stops the run now, not at the first record
 
   def __getstate__(self):  # worker processes build their own renderer
@@ -110,6 +114,9 @@ class SftDecoder:
       except json.JSONDecodeError:
         raise UserError(f"{where}: column '{self.columns[0]}' holds text, not a list of messages") from None
     messages = [dict(m) for m in (value.tolist() if isinstance(value, np.ndarray) else value)]
+    for i, m in enumerate(messages):
+      if not isinstance(_text(m.get("content")), str):
+        raise UserError(f"{where}: message {i} ({m.get('role')}) has no text content ({m.get('content')!r})")
     if not any(m.get("role") == "assistant" for m in messages):
       raise UserError(f"{where} has no assistant turn (roles: {[m.get('role') for m in messages]}): nothing to learn from")
     return messages
@@ -120,6 +127,9 @@ class SftDecoder:
     if len(values) == 1:
       return self.renderer().encode_with_mask(self._messages(values[0], where), where)
     prompt, completion = (_text(v) for v in values)
+    for column, value in zip(self.columns, (prompt, completion)):
+      if not isinstance(value, str):
+        raise UserError(f"{where}: column '{column}' holds {value!r}, not text")
     if self.use_chat_template:
       messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
       return self.renderer().encode_with_mask(messages, where)
@@ -139,8 +149,17 @@ class SftDecoder:
     loss_mask = mask[1:] if self.completion_only else np.ones(len(ids) - 1, np.int32)
     if len(ids) < 2 or not loss_mask.any():
       self._count("dropped")
+      self._dropped_in_a_row += 1
       ids, loss_mask = np.zeros(1, np.int32), np.zeros(0, np.int32)
-    elif self.counts["read"] >= 1000 and str(self.counts["read"]).strip("0") == "1":
+      if self._dropped_in_a_row >= MAX_DROPPED_IN_A_ROW:  # else an epoch-less stream of such samples never ends
+        raise UserError(
+          f"the last {self._dropped_in_a_row:,} {self.split} samples were all dropped: none has a loss token left "
+          f"within max_target_length={self.max_tokens - 1} (e.g. prompts longer than a row); raise "
+          "max_target_length or shorten the samples"
+        )
+    else:
+      self._dropped_in_a_row = 0
+    if self.counts["read"] >= 1000 and str(self.counts["read"]).strip("0") == "1":
       self._log()
     return {"inputs": ids[:-1], "targets": ids[1:], "loss_mask": loss_mask}
 

@@ -14,6 +14,7 @@ import torch  # requirements-test.txt
 import transformers
 
 from MaxText.errors import ConfigError, UserError
+from MaxText.input_pipeline import sft
 from MaxText.input_pipeline.chat_template import ChatRenderer
 from MaxText.input_pipeline.packing import PackedStream, RandomAccessCursor
 from MaxText.input_pipeline.sft import SftDecoder
@@ -147,6 +148,19 @@ def test_a_conversation_longer_than_a_row_is_truncated_and_one_left_without_loss
   assert decode.counts == {"read": 2, "truncated": 2, "dropped": 1}
 
 
+def test_samples_that_are_all_dropped_stop_the_run_with_one_line(tokenizers_dir):
+  decode = SftDecoder(_config(tokenizers_dir[CHATML], max_target_length=20))
+  long_prompt = [{"role": "user", "content": "the cat sat on the mat " * 4}, {"role": "assistant", "content": "y"}]
+  sample, kept = {"messages": long_prompt}, {"messages": [{"role": "user", "content": "hi"}, long_prompt[1]]}
+  for _ in range(sft.MAX_DROPPED_IN_A_ROW - 1):
+    decode(sample)
+  decode(kept)  # one sample with a loss token starts the count again
+  for _ in range(sft.MAX_DROPPED_IN_A_ROW - 1):
+    decode(sample)
+  with pytest.raises(UserError, match=r"the last 1,000 train samples were all dropped: none has a loss token left"):
+    decode(sample)
+
+
 def test_prompt_completion_columns(tokenizers_dir):
   path = tokenizers_dir[CHATML]
   record = {"prompt": "what is two plus two", "completion": "four"}
@@ -182,6 +196,14 @@ def test_prompt_completion_columns(tokenizers_dir):
       ["messages"],
       "{{ messages[0].content.nope() }}",
       "the chat template fails to render train record 0",
+    ),
+    # A null is no text to learn (it would render as "None").
+    ({"prompt": "hi", "completion": None}, ["prompt", "completion"], "", "column 'completion' holds None, not text"),
+    (
+      {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None}]},
+      ["messages"],
+      "",
+      "message 1 (assistant) has no text content (None)",
     ),
   ],
 )
