@@ -59,8 +59,13 @@ def _check_flash(values, platform: str) -> None:
       f"attention=flash needs a TPU (Pallas splash kernel); this machine has {platform} devices: use dot_product"
     )
   length = values["max_target_length"]
-  if length % 128 or (length > 512 and length % 512):
+  if not _flash_length(length):
     raise ConfigError(f"attention=flash needs max_target_length={length} to be a multiple of 128 (of 512 above 512)")
+
+
+def _flash_length(length: int) -> bool:
+  """Whether the splash kernel's blocks tile a sequence of this length."""
+  return not (length % 128 or (length > 512 and length % 512))
 
 
 def _check_gpu_kernel(kernel: str, values, platform: str) -> None:
@@ -143,15 +148,15 @@ def check_length_sharding(values, mesh_shape: dict) -> None:
 def select(values, platform: str) -> str:
   """The attention kernel of the config on `platform` ("cpu", "gpu", "tpu"), checked.
 
-  autoselected: flash on TPU; cudnn_flash_jax on GPU when the config allows it (cuDNN is part of jax's CUDA
-  build; TransformerEngine is an optional extra), else dot_product.
+  autoselected: flash on TPU (dot_product for a length its blocks do not tile); cudnn_flash_jax on GPU when the
+  config allows it (cuDNN is part of jax's CUDA build; TransformerEngine is an optional extra), else dot_product.
   """
   kernel = values["attention"]
   if kernel == "autoselected":
     if _ring(values):
       kernel = "dot_product"  # ring attention is written in plain JAX: its blocks are dot products
     elif platform == "tpu":
-      kernel = "flash"
+      kernel = "flash" if _flash_length(values["max_target_length"]) else "dot_product"
     elif platform == "gpu" and not _cudnn_obstacle(values):
       kernel = "cudnn_flash_jax"
     else:

@@ -33,6 +33,8 @@ def _values(**overrides):
   [
     ("cpu", {}, "dot_product"),
     ("tpu", {}, "flash"),
+    ("tpu", {"max_target_length": 64}, "dot_product"),  # the splash kernel's blocks do not tile it
+    ("tpu", {"max_target_length": 768}, "dot_product"),
     ("gpu", {}, "cudnn_flash_jax"),
     ("gpu", {"dtype": "float32"}, "dot_product"),
     ("gpu", {"attn_logits_soft_cap": 50.0}, "dot_product"),
