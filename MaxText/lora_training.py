@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from MaxText.errors import ConfigError
-from MaxText.layers import layer_names, lora
+from MaxText.layers import layer_names, lora, qlora
 
 
 def is_adapter(keys: tuple) -> bool:
@@ -52,22 +52,38 @@ def check_selects_layers(config, params) -> None:
   )
 
 
-def split(params) -> tuple[dict, dict]:
-  """(base, adapters): two trees of the params' nesting, each holding only its own leaves."""
+def _partition(params, belongs) -> tuple[dict, dict]:
+  """(the leaves for which belongs(keys, leaf) is false, those for which it is true), in the params' nesting."""
 
-  def part(tree, want_adapters: bool, prefix=()):
+  def part(tree, wanted: bool, prefix=()):
     out = {}
     for key, value in tree.items():
       keys = prefix + (key,)
       if isinstance(value, dict):
-        sub = part(value, want_adapters, keys)
+        sub = part(value, wanted, keys)
         if sub:
           out[key] = sub
-      elif is_adapter(keys) == want_adapters:
+      elif belongs(keys, value) == wanted:
         out[key] = value
     return out
 
   return part(params, False), part(params, True)
+
+
+def split(params) -> tuple[dict, dict]:
+  """(base, adapters): two trees of the params' nesting, each holding only its own leaves."""
+  return _partition(params, lambda keys, _: is_adapter(keys))
+
+
+def split_codes(params) -> tuple[dict, dict]:
+  """(QLoRA's quantized kernels, the other params): the first are integer or fp8 codes, which are not differentiated."""
+  other, codes = _partition(params, lambda _, leaf: qlora.is_code(leaf))
+  return codes, other
+
+
+def zero_codes(codes: dict) -> dict:
+  """The codes' zero "gradients", in their dtype and computed from them (so sharded like them)."""
+  return jax.tree.map(lambda c: c * jnp.zeros((), c.dtype), codes)
 
 
 def join(base: dict, adapters: dict) -> dict:

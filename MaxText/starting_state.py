@@ -5,10 +5,12 @@ In order: the run's own latest good checkpoint (with LoRA: its adapters, joined 
 load_full_state_path (params, optimizer state and step); a fresh init. checkpointing.py reads and checks each.
 """
 
+import jax
 import orbax.checkpoint as ocp
 
 from MaxText import checkpointing, lora_training, max_logging, single_replica_restore
 from MaxText.errors import UserError
+from MaxText.layers import qlora
 
 
 def load_full_state(path: str, abstract_state):
@@ -32,12 +34,26 @@ def _load_parameters(config, abstract_params) -> tuple[dict, dict]:
   """load_parameters_path's params as (base, adapters). The adapters are {} unless the run has LoRA on and the
   checkpoint holds some (a PEFT adapter read in by convert_checkpoint.py to_maxtext --peft_adapter)."""
   tree = checkpointing.tree_metadata(config.load_parameters_path, "load_parameters_path")
+  held = abstract_params
+  if config.enable_lora and config.lora_weight_qtype:  # QLoRA: the checkpoint's float kernels, quantized below
+    abstract_params = qlora.float_layout(held, config.weight_dtype)
   base, adapters = lora_training.split(abstract_params)
   if adapters and lora_training.split(tree["params"])[1]:
-    return lora_training.split(
-      checkpointing.load_params(config.load_parameters_path, abstract_params, config.param_scan_axis)
-    )
-  return checkpointing.load_params(config.load_parameters_path, base, config.param_scan_axis), {}
+    loaded = checkpointing.load_params(config.load_parameters_path, abstract_params, config.param_scan_axis)
+  else:
+    loaded = checkpointing.load_params(config.load_parameters_path, base, config.param_scan_axis)
+  if held is not abstract_params:
+    loaded = _quantized(loaded, held)
+  base, adapters = lora_training.split(loaded)
+  return base, adapters
+
+
+def _quantized(float_params, abstract_params):
+  """QLoRA's base quantized on the devices, each kernel's codes and scale sharded as the run holds them (the float
+  params are donated: the float base is held whole only while it is quantized)."""
+  held = lora_training.split(abstract_params)[0] if not lora_training.split(float_params)[1] else abstract_params
+  shardings = jax.tree.map(lambda a: a.sharding, held)
+  return jax.jit(lambda p: qlora.quantize_params(p, held), out_shardings=shardings, donate_argnums=0)(float_params)
 
 
 def _base_params(config, abstract_state, init_fn):

@@ -14,7 +14,7 @@ import optax
 from flax import struct
 from jax.experimental import checkify
 
-from MaxText import dpo, routing_bias, sharding
+from MaxText import dpo, lora_training, routing_bias, sharding
 from MaxText.diagnostics import nonfinite, numerics_stats, numerics_taps
 from MaxText.layers import context_parallel, models, quantizations
 from MaxText.layers.multi_token_prediction import MTP_LOGITS
@@ -133,9 +133,14 @@ def loss_fn(model, config, params, batch, dropout_rng, train: bool, extras: Step
 
 def _microbatch_gradients(model, config, params, extras: StepExtras, batch, dropout_rng) -> Gradients:
   loss_of = functools.partial(loss_fn, model, config, batch=batch, dropout_rng=dropout_rng, train=True)
-  (loss, aux), (grads, extras_grads) = jax.value_and_grad(lambda p, e: loss_of(p, extras=e), argnums=(0, 1), has_aux=True)(
-    params, extras
-  )
+  codes = {}
+  if config.enable_lora and config.lora_weight_qtype:  # QLoRA's quantized kernels: frozen and not differentiable
+    codes, params = lora_training.split_codes(params)
+  (loss, aux), (grads, extras_grads) = jax.value_and_grad(
+    lambda p, e: loss_of(lora_training.join(codes, p) if codes else p, extras=e), argnums=(0, 1), has_aux=True
+  )(params, extras)
+  if codes:
+    grads = lora_training.join(lora_training.zero_codes(codes), grads)
   reductions = None if extras.plan is None else extras.plan.reductions(aux.sown, extras_grads.numerics)
   loads = routing_bias.loads(aux.sown) if config.routed_bias else None
   return Gradients(loss, aux.weights, aux.aux_losses, grads, reductions, extras_grads.fp8_meta, loads, aux.metrics)

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText.layers import initializers, quantizations
+from MaxText.layers import initializers, qlora, quantizations
 from MaxText.layers import lora as adapters
 
 # The collection whose entries ask a dense layer's `Gemm.tap` for statistics of its operands (numerics debugging);
@@ -88,9 +88,14 @@ class DenseGeneral(nn.Module):
     in_axes = tuple(range(len(kernel_in)))
     out_axes = tuple(range(len(kernel_in), len(kernel_shape)))
     init = functools.partial(self.kernel_init, in_axis=in_axes, out_axis=out_axes)
-    kernel = self.param(
-      "kernel", nn.with_logical_partitioning(init, tuple(self.kernel_axes)), kernel_shape, self.weight_dtype
-    )
+    qtype = self.gemm.lora.weight_qtype if self.gemm.lora is not None else ""
+    if qtype:  # QLoRA: the frozen base's kernels, adapted or not, are held quantized
+      names = tuple(self.kernel_axes)
+      kernel = qlora.declare(self, qtype, init, kernel_shape, in_axes, names, self.weight_dtype, self.dtype)
+    else:
+      kernel = self.param(
+        "kernel", nn.with_logical_partitioning(init, tuple(self.kernel_axes)), kernel_shape, self.weight_dtype
+      )
     adapted = self.gemm.lora is not None and self.gemm.lora.selects(self.path)
     if adapted:
       kernel = jax.lax.stop_gradient(kernel)  # LoRA trains the adapters only: no gradient for the frozen base

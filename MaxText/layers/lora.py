@@ -31,6 +31,7 @@ class LoraSpec:
   rank: int
   alpha: float
   module_path: str  # a regex searched in module_name(); '.' matches the '/' separators too
+  weight_qtype: str = ""  # QLoRA: every dense kernel of the frozen base held quantized (layers/qlora.py)
 
   @property
   def scale(self) -> float:
@@ -43,7 +44,7 @@ class LoraSpec:
 def from_config(config) -> LoraSpec | None:
   if not config.enable_lora:
     return None
-  return LoraSpec(config.lora_rank, float(config.lora_alpha), config.lora_module_path)
+  return LoraSpec(config.lora_rank, float(config.lora_alpha), config.lora_module_path, config.lora_weight_qtype)
 
 
 def _peft_a_init(key, shape, dtype, fan_in: int):

@@ -1,0 +1,112 @@
+"""QLoRA's quantized base (layers/qlora.py) against a numpy reference, and in a LoRA run."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from MaxText.layers import qlora
+
+
+def _reference(w: np.ndarray, qtype: str) -> np.ndarray:
+  """numpy quantize -> dequantize of a (in, out) kernel: per-column absmax (int8, fp8); NF4 blocks of 64 rows."""
+  w = w.astype(np.float64)
+  if qtype == "int8":
+    scale = np.abs(w).max(axis=0, keepdims=True) / 127
+    return np.clip(np.round(w / scale), -127, 127) * scale
+  if qtype == "fp8":
+    scale = np.abs(w).max(axis=0, keepdims=True) / 448
+    return (w / scale).astype(jnp.float8_e4m3fn).astype(np.float64) * scale
+  blocks = w.reshape(w.shape[0] // 64, 64, w.shape[1])
+  absmax = np.abs(blocks).max(axis=1, keepdims=True)
+  nearest = np.abs((blocks / absmax)[..., None] - qlora.NF4).argmin(-1)
+  return (qlora.NF4[nearest] * absmax).reshape(w.shape)
+
+
+# The worst error relative to the channel's (block's) absmax: half a step of the code.
+_BOUNDS = {"int8": 0.5 / 127, "fp8": 2.0**-4, "nf4": (1.0 - 0.6961928009986877) / 2}  # the widest gap: -1 to -0.696
+
+
+@pytest.mark.parametrize("qtype", qlora.QTYPES)
+def test_quantize_dequantize_matches_numpy_and_its_bound(qtype):
+  w = np.random.default_rng(0).normal(size=(256, 48)).astype(np.float32)
+  scale_shape, _ = qlora.scale_layout(qtype, w.shape, (0,), ("embed", "mlp"))
+  codes, scale = qlora.quantize(jnp.asarray(w), qtype, scale_shape)
+  assert codes.dtype == qlora.code_dtype(qtype) and scale.shape == scale_shape
+  back = np.asarray(qlora.dequantize(codes, scale, qtype, jnp.float32))
+  np.testing.assert_allclose(back, _reference(w, qtype), rtol=0, atol=1e-5 * np.abs(w).max())
+  absmax = np.abs(w).max(axis=0) if qtype != "nf4" else np.abs(w.reshape(4, 64, 48)).max(axis=1).repeat(64, 0)
+  assert np.all(np.abs(back - w) <= _BOUNDS[qtype] * absmax + 1e-6)
+
+
+@pytest.mark.parametrize("qtype", qlora.QTYPES)
+def test_a_scanned_stack_quantizes_as_each_layer(qtype):
+  """A layers axis inserted (param_scan_axis=1) in kernel and scale: the same codes as layer by layer."""
+  w = np.random.default_rng(1).normal(size=(128, 3, 4, 8)).astype(np.float32)  # (embed, layers, heads, head_dim)
+  one_shape, _ = qlora.scale_layout(qtype, (128, 4, 8), (0,), ("embed", "heads", "kv"))
+  stacked_shape = one_shape[:1] + (3,) + one_shape[1:]
+  codes, scale = qlora.quantize(jnp.asarray(w), qtype, stacked_shape)
+  for layer in range(3):
+    codes_i, scale_i = qlora.quantize(jnp.asarray(w[:, layer]), qtype, one_shape)
+    np.testing.assert_array_equal(np.asarray(codes[:, layer]).astype(np.float32), np.asarray(codes_i).astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(scale[:, layer]), np.asarray(scale_i))
+
+
+def test_nf4_blocks_along_the_input_axis_with_the_largest_factor_of_64():
+  assert qlora.scale_layout("nf4", (32, 128, 4096), (0, 1), ("heads", "kv", "embed"))[0] == (32, 2, 4096)
+  assert qlora.scale_layout("int8", (32, 128, 4096), (0, 1), ("heads", "kv", "embed")) == (
+    (1, 1, 4096),
+    (None, None, "embed"),
+  )
+
+
+def _setup(*args):
+  from MaxText import train_state  # pylint: disable=import-outside-toplevel
+  from MaxText.mesh import create_device_mesh  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.helpers import tiny_config  # pylint: disable=import-outside-toplevel
+
+  config = tiny_config("enable_lora=true", "lora_module_path=decoder/layers/self_attention/(query|value)", *args)
+  mesh = create_device_mesh(config)
+  return config, mesh, train_state.build(config, mesh)
+
+
+@pytest.mark.parametrize("qtype", qlora.QTYPES)
+def test_a_qlora_state_holds_every_dense_kernel_quantized_and_adam_only_the_adapters(qtype):
+  from MaxText.layers import layer_names  # pylint: disable=import-outside-toplevel
+
+  _, _, setup = _setup(f"lora_weight_qtype={qtype}")
+  leaves = {"/".join(k): v for k, v in layer_names.flatten(setup.abstract_state.params)}
+  kernels = {p: v.dtype for p, v in leaves.items() if p.startswith("decoder/layers/") and p.endswith("/kernel")}
+  assert kernels and all(d == qlora.code_dtype(qtype) for d in kernels.values()), kernels  # adapted or not
+  assert all(p[: -len("kernel")] + "kernel_scale" in leaves for p in kernels)
+  assert all(v.dtype == jnp.float32 for p, v in leaves.items() if "embed" in p or "norm" in p), leaves.keys()
+  moments = ["/".join(k) for k, _ in layer_names.flatten(setup.abstract_state.opt_state)]
+  assert all(p.endswith(("/lora_a", "/lora_b", "count")) for p in moments), moments
+
+
+def _losses(config, mesh, setup, float_params, steps: int = 3) -> list[float]:
+  import jax  # pylint: disable=import-outside-toplevel
+
+  from MaxText import train_state, train_step  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.helpers import token_batch  # pylint: disable=import-outside-toplevel
+
+  state = train_state.init_train_state(setup.model, setup.tx, config, mesh, setup.state_shardings)
+  state = state.replace(params=qlora.quantize_params(float_params, setup.abstract_state.params))
+  step = jax.jit(lambda s, b: train_step.train_step(setup.model, config, s, b))
+  losses = []
+  for _ in range(steps):
+    state, metrics = step(state, token_batch())
+    losses.append(float(metrics["learning/loss"]))
+  return losses
+
+
+def test_lora_on_an_int8_base_trains_like_lora_on_the_float_base():
+  from MaxText import train_state  # pylint: disable=import-outside-toplevel
+
+  args = ("learning_rate=1e-2", "warmup_steps_fraction=0")
+  config, mesh, setup = _setup(*args)
+  float_params = train_state.init_train_state(setup.model, setup.tx, config, mesh, setup.state_shardings).params
+  reference = _losses(config, mesh, setup, float_params)
+  q_config, q_mesh, q_setup = _setup("lora_weight_qtype=int8", *args)
+  quantized = _losses(q_config, q_mesh, q_setup, float_params)
+  assert reference[-1] < reference[0]
+  np.testing.assert_allclose(quantized, reference, rtol=0.02)
