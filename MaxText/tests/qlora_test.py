@@ -69,7 +69,7 @@ def _setup(*args):
   return config, mesh, train_state.build(config, mesh)
 
 
-@pytest.mark.parametrize("qtype", qlora.QTYPES)
+@pytest.mark.parametrize("qtype", ("int8",))  # fp8 and nf4: the key refuses them until their train step is built
 def test_a_qlora_state_holds_every_dense_kernel_quantized_and_adam_only_the_adapters(qtype):
   from MaxText.layers import layer_names  # pylint: disable=import-outside-toplevel
 
