@@ -209,6 +209,9 @@ def _check_emergency_checkpoint(v):
     )
 
 
+_HF_FILE_BUILDERS = ("json", "parquet", "csv", "text", "arrow")
+
+
 def _check_data(v):
   kind = v["dataset_type"]
   defaults = config_loader.base_defaults()
@@ -221,6 +224,9 @@ def _check_data(v):
     raise ConfigError("dataset_type=grain needs grain_train_files (';'-separated globs of ArrayRecord files)")
   if kind == "hf" and not v["hf_path"]:
     raise ConfigError("dataset_type=hf needs hf_path, e.g. hf_path=parquet hf_train_files=/data/*.parquet")
+  if kind == "hf" and v["hf_path"] in _HF_FILE_BUILDERS and not (v["hf_train_files"] or v["hf_data_dir"]):
+    # datasets' file builders with no files read every file of the current directory
+    raise ConfigError(f"dataset_type=hf hf_path={v['hf_path']} needs hf_train_files, e.g. hf_train_files='/data/*.jsonl'")
   if v["eval_interval"] > 0:
     if kind == "synthetic":
       raise ConfigError("eval_interval > 0 needs real data: dataset_type=synthetic has no eval split")

@@ -13,6 +13,7 @@ CASES = [
   # (CLI args after the config, extra env, text the error line must contain)
   (["stepz=5"], {}, "unknown config key 'stepz'; did you mean 'steps'"),
   (["steps=abc"], {}, "steps=abc is not an integer"),
+  (["dataset_type=hf", "hf_path=json"], {}, "dataset_type=hf hf_path=json needs hf_train_files"),
   (["scan_layers=maybe"], {}, "scan_layers=maybe is not a boolean"),
   (["learning_rate=fast"], {}, "learning_rate=fast is not a number"),
   (["mlp_activations=silu"], {}, "mlp_activations=silu is not a list"),

@@ -365,5 +365,8 @@ def test_sft_yml_is_a_starting_point():
   from MaxText import pyconfig  # pylint: disable=import-outside-toplevel
   from MaxText.tests.helpers import REPO_ROOT  # pylint: disable=import-outside-toplevel
 
-  config = pyconfig.initialize(["t", os.path.join(REPO_ROOT, "MaxText/configs/sft.yml"), "run_name=t"], environ={})
+  argv = ["t", os.path.join(REPO_ROOT, "MaxText/configs/sft.yml"), "run_name=t"]
+  with pytest.raises(ConfigError, match="hf_path=json needs hf_train_files"):  # the user names the chat data
+    pyconfig.initialize(argv, environ={})
+  config = pyconfig.initialize([*argv, "hf_train_files=/data/chat/*.jsonl"], environ={})
   assert config.use_sft and config.sft_train_on_completion_only and config.train_data_columns == ["messages"]
