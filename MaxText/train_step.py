@@ -16,7 +16,7 @@ from jax.experimental import checkify
 
 from MaxText import dpo, lora_training, routing_bias, sharding
 from MaxText.diagnostics import nonfinite, numerics_stats, numerics_taps
-from MaxText.layers import context_parallel, models, quantizations
+from MaxText.layers import context_parallel, models, qlora, quantizations
 from MaxText.layers.multi_token_prediction import MTP_LOGITS
 from MaxText.optimizers import create_learning_rate_schedule
 
@@ -225,9 +225,20 @@ def train_step(model, config, state, batch):
   denominator = jnp.maximum(summed.weights, 1.0)  # An all-padding batch gives zero loss and no update.
   # Back to each parameter's dtype: a float32 denominator would promote bfloat16 grads (weight_dtype=bfloat16),
   # and with them the optimizer state and the params, so that the state would change type at the first step.
-  grads = jax.tree.map(lambda g: (g / denominator).astype(g.dtype), summed.params)
+  grads = jax.tree.map(lambda g: g if _is_code(g) else (g / denominator).astype(g.dtype), summed.params)
   new_state, finite = _update(config, state, grads, summed)
   return new_state, _metrics(config, state, new_state, summed, grads, finite, extras.plan)
+
+
+def _is_code(leaf) -> bool:
+  """QLoRA's quantized base kernels (frozen; their "gradients" are zeros in their own dtype): left out of the
+  gradients' scaling and of the norms, where fp8 and 4-bit codes do not promote (and int8 squares overflow)."""
+  return qlora.is_code(leaf)
+
+
+def _norm(tree):
+  """The global norm of a tree's float leaves (QLoRA's codes left out)."""
+  return optax.tree.norm(jax.tree.map(lambda x: jnp.zeros((), jnp.float32) if _is_code(x) else x, tree))
 
 
 def _update(config, state, grads, summed: Gradients):
@@ -248,14 +259,14 @@ def _update(config, state, grads, summed: Gradients):
 
   if config.nonfinite_action == "none":
     return jax.lax.cond(has_tokens, updated, lambda: state), None
-  finite = nonfinite.is_finite(summed.loss, optax.tree.norm(grads))
+  finite = nonfinite.is_finite(summed.loss, _norm(grads))
   kept = lambda: state.replace(step=state.step + has_tokens.astype(state.step.dtype))
   return jax.lax.cond(has_tokens & finite, updated, kept), finite
 
 
 def _metrics(config, state, new_state, summed: Gradients, grads, finite, plan) -> dict:
   denominator = jnp.maximum(summed.weights, 1.0)
-  raw_grad_norm = optax.tree.norm(grads)
+  raw_grad_norm = _norm(grads)
   threshold = config.gradient_clipping_threshold
   metrics = {
     "learning/loss": summed.loss / denominator,
@@ -263,8 +274,8 @@ def _metrics(config, state, new_state, summed: Gradients, grads, finite, plan) -
     "learning/raw_grad_norm": raw_grad_norm,
     # clip_by_global_norm rescales to exactly the threshold, so the clipped norm needs no second pass.
     "learning/grad_norm": jnp.minimum(raw_grad_norm, threshold) if threshold > 0 else raw_grad_norm,
-    "learning/param_norm": optax.tree.norm(new_state.params),
-    "learning/update_norm": optax.tree.norm(jax.tree.map(jnp.subtract, new_state.params, state.params)),
+    "learning/param_norm": _norm(new_state.params),
+    "learning/update_norm": _norm(jax.tree.map(jnp.subtract, new_state.params, state.params)),
     "learning/current_learning_rate": create_learning_rate_schedule(config)(state.step),
   }
   for name, value in summed.aux_losses.items():  # learning/loss includes them (what is minimised), as upstream's

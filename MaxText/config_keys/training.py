@@ -59,9 +59,8 @@ SECTIONS = {
     "lora_alpha": Key("The adapters' output is scaled by lora_alpha / lora_rank.", range=Range(0, low_open=True)),
     "lora_module_path": Key("A regex searched in the dense layers' names (decoder/layers/mlp/wo; '.' for '/' too)."),
     "lora_weight_qtype": Key(
-      'QLoRA: the frozen base\'s dense kernels held as int8 (per output channel scales); "": weight_dtype. fp8 and '
-      "nf4 are in layers/qlora.py, but their train step is not built yet.",
-      choices=("", "int8"),
+      "QLoRA: the frozen base's dense kernels held as int8 or fp8 (per channel) or nf4 (blocks of 64); '': as is.",
+      choices=("", "int8", "fp8", "nf4"),
     ),
   },
 }

@@ -4,7 +4,7 @@ its matmul.
 - int8: round(w / s) in [-127, 127], s = absmax / 127 per output channel (the max over the input dims).
 - fp8: w / s in float8_e4m3fn, s = absmax / 448 (e4m3's largest finite value) per output channel.
 - nf4 (QLoRA, Dettmers et al. 2023): blocks of 64 consecutive values along one input axis, each divided by its
-  absmax and rounded to the nearest of the 16 NormalFloat values; the code's index is held as uint4.
+  absmax and rounded to the nearest of the 16 NormalFloat values; the code's index is held in a uint8.
 
 The scale (float32) has the kernel's number of dims: 1 on the reduced dims (int8, fp8), or the block axis divided by
 the block (nf4). quantize() finds the reduced dims from the two shapes, so a scanned stack of kernels (a layers axis
@@ -43,7 +43,10 @@ NF4 = np.array(
   ],
   np.float32,
 )
-_CODE_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "nf4": jnp.uint4}
+# nf4's indices are held one per byte: a jnp.uint4 param gets a packed layout that the compiled train step then
+# refuses ("compiled for input layouts that disagree with the layouts of arguments", XLA:CPU, jax 0.10). Packing two
+# indices per byte by hand would halve them again.
+_CODE_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "nf4": jnp.uint8}
 _INT8_MAX, _FP8_MAX = 127.0, 448.0
 
 
@@ -91,7 +94,7 @@ def quantize(w, qtype: str, scale_shape: tuple):
     normed = blocks / absmax
     midpoints = jnp.asarray((NF4[1:] + NF4[:-1]) / 2)
     index = jnp.sum(normed[..., None] > midpoints, axis=-1)  # the nearest code (XLA fuses the 15 compares)
-    return index.reshape(w.shape).astype(jnp.uint4), absmax.reshape(scale_shape)
+    return index.reshape(w.shape).astype(code_dtype("nf4")), absmax.reshape(scale_shape)
   reduced = tuple(i for i, (n, m) in enumerate(zip(w.shape, scale_shape)) if m == 1 and n != 1)
   absmax = jnp.max(jnp.abs(w), axis=reduced, keepdims=True)
   if qtype == "int8":

@@ -69,7 +69,7 @@ def _setup(*args):
   return config, mesh, train_state.build(config, mesh)
 
 
-@pytest.mark.parametrize("qtype", ("int8",))  # fp8 and nf4: the key refuses them until their train step is built
+@pytest.mark.parametrize("qtype", qlora.QTYPES)
 def test_a_qlora_state_holds_every_dense_kernel_quantized_and_adam_only_the_adapters(qtype):
   from MaxText.layers import layer_names  # pylint: disable=import-outside-toplevel
 
@@ -99,14 +99,49 @@ def _losses(config, mesh, setup, float_params, steps: int = 3) -> list[float]:
   return losses
 
 
-def test_lora_on_an_int8_base_trains_like_lora_on_the_float_base():
+@pytest.mark.parametrize("qtype", qlora.QTYPES)
+def test_lora_on_a_quantized_base_trains_like_lora_on_the_float_base(qtype):
   from MaxText import train_state  # pylint: disable=import-outside-toplevel
 
   args = ("learning_rate=1e-2", "warmup_steps_fraction=0")
   config, mesh, setup = _setup(*args)
   float_params = train_state.init_train_state(setup.model, setup.tx, config, mesh, setup.state_shardings).params
   reference = _losses(config, mesh, setup, float_params)
-  q_config, q_mesh, q_setup = _setup("lora_weight_qtype=int8", *args)
+  q_config, q_mesh, q_setup = _setup(f"lora_weight_qtype={qtype}", *args)
   quantized = _losses(q_config, q_mesh, q_setup, float_params)
   assert reference[-1] < reference[0]
   np.testing.assert_allclose(quantized, reference, rtol=0.02)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", ("int8", "nf4"))
+def test_qlora_starts_from_a_float_checkpoint_and_resumes(tmp_path, qtype):
+  """load_parameters_path's float base (a converted tiny HF llama) is quantized as it loads; the adapters-only
+  checkpoint resumes onto it, and the losses are those of the same run in one go."""
+  from MaxText.hf_conversion import converter  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.helpers import TRAIN_PY, read_metrics, run_python  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.sft_test import _hf_llama  # pylint: disable=import-outside-toplevel
+
+  converter.to_maxtext(_hf_llama(tmp_path / "hf"), str(tmp_path / "maxtext"))
+  args = [
+    TRAIN_PY,
+    str(tmp_path / "maxtext" / converter.MODEL_YML),
+    f"base_output_directory={tmp_path}",
+    f"load_parameters_path={tmp_path / 'maxtext' / 'params'}",
+    "enable_lora=true",
+    f"lora_weight_qtype={qtype}",
+    "learning_rate=1e-2",
+    "dataset_type=synthetic",
+    "per_device_batch_size=2",
+    "max_target_length=32",
+    "enable_tensorboard=false",
+    "checkpoint_period=2",
+    "learning_rate_schedule_steps=4",  # the same schedule for the run that stops at step 2
+  ]
+  for run, stops in (("whole", (4,)), ("resumed", (2, 4))):
+    for steps in stops:
+      result = run_python([*args, f"run_name={run}", f"steps={steps}", f"metrics_file={tmp_path / run}.jsonl"])
+      assert result.returncode == 0, result.stderr[-3000:]
+  assert "Restored the checkpoint of step 1" in result.stdout
+  whole, resumed = (read_metrics(tmp_path / f"{run}.jsonl") for run in ("whole", "resumed"))
+  assert [m["learning/loss"] for m in resumed] == [m["learning/loss"] for m in whole]
