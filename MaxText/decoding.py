@@ -16,7 +16,17 @@ import numpy as np
 from etils import epath
 from jax.sharding import NamedSharding, PartitionSpec
 
-from MaxText import checkpointing, max_logging, pipeline_schedule, sampling, serving_checkpoint, sharding, train_state
+from MaxText import (
+  checkpointing,
+  lora_training,
+  max_logging,
+  pipeline_schedule,
+  sampling,
+  serving_checkpoint,
+  sharding,
+  starting_state,
+  train_state,
+)
 from MaxText.errors import UserError
 from MaxText.layers import context_parallel
 
@@ -62,6 +72,8 @@ def load_params(config, model, abstract_params, mesh):
   this run's latest checkpoint, or a random init (with a warning that the output is random)."""
   if config.checkpoint_is_quantized:  # a serving checkpoint of int8 kernels and their scales
     return serving_checkpoint.load(config, abstract_params)
+  if lora_training.split(abstract_params)[1]:
+    return _lora_params(config, model, abstract_params, mesh)
   for key in ("load_parameters_path", "load_full_state_path"):
     path = getattr(config, key)
     if path:
@@ -75,6 +87,26 @@ def load_params(config, model, abstract_params, mesh):
     "so the output is random"
   )
   return random_params(config, model, abstract_params, mesh)
+
+
+def _lora_params(config, model, abstract_params, mesh):
+  """A LoRA model's params: the base from load_parameters_path (as training holds it: QLoRA's quantized), the
+  adapters from this run's latest checkpoint (which holds them only), else from load_parameters_path when it holds
+  some (convert_checkpoint.py to_maxtext --peft_adapter)."""
+  if not config.load_parameters_path:
+    raise UserError(
+      "decoding with enable_lora=true needs load_parameters_path: the base model that the adapters were trained on"
+    )
+  base, adapters = starting_state.load_parameters(config, abstract_params)
+  path = latest_run_checkpoint(config)
+  if path is not None:
+    max_logging.log(f"Decoding with the adapters of run {config.run_name}'s latest checkpoint: {path}")
+    wanted = lora_training.split(abstract_params)[1]
+    adapters = checkpointing.load_params(path, wanted, config.param_scan_axis, key="the run's latest checkpoint")
+  elif not adapters:
+    max_logging.warn(f"no adapters (no checkpoint of run {config.run_name}): decoding the base model alone")
+    adapters = lora_training.split(random_params(config, model, abstract_params, mesh))[1]  # B = 0: the base's output
+  return lora_training.join(base, adapters)
 
 
 def random_params(config, model, abstract_params, mesh):

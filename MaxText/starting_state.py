@@ -30,7 +30,7 @@ def load_full_state(path: str, abstract_state):
   return state
 
 
-def _load_parameters(config, abstract_params) -> tuple[dict, dict]:
+def load_parameters(config, abstract_params) -> tuple[dict, dict]:
   """load_parameters_path's params as (base, adapters). The adapters are {} unless the run has LoRA on and the
   checkpoint holds some (a PEFT adapter read in by convert_checkpoint.py to_maxtext --peft_adapter)."""
   tree = checkpointing.tree_metadata(config.load_parameters_path, "load_parameters_path")
@@ -60,7 +60,7 @@ def _base_params(config, abstract_state, init_fn):
   """The params other than LoRA's adapters (all of them without LoRA): load_parameters_path's, else a fresh init's
   (the same for a given init_weights_seed)."""
   if config.load_parameters_path:
-    return _load_parameters(config, abstract_state.params)[0]
+    return load_parameters(config, abstract_state.params)[0]
   return lora_training.split(init_fn().params)[0]
 
 
@@ -85,7 +85,7 @@ def initial_state(config, manager, abstract_state, init_fn):
       return restored
   if config.load_parameters_path:
     state = init_fn()
-    base, adapters = _load_parameters(config, abstract_state.params)
+    base, adapters = load_parameters(config, abstract_state.params)
     return state.replace(params=lora_training.join(base, adapters or lora_training.split(state.params)[1])), None
   if config.load_full_state_path:
     return load_full_state(config.load_full_state_path, abstract_state), None

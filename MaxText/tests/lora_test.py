@@ -144,6 +144,9 @@ def _lora_logits(run_dir: str, base_params: str, model_yml: str, tokens: np.ndar
     return np.asarray(model.apply({"params": params}, tokens, positions))
 
 
+LORA_MODULES = "decoder/layers/(self_attention/(query|key|value|out)|mlp/(wi_0|wi_1|wo))"
+
+
 def test_lora_round_trip_peft_and_merged_export_give_our_logits(tmp_path):
   """A converted tiny HF llama, 3 LoRA steps (attention and MLP), resumed for a 4th; the PEFT export on the HF base
   and the merged export both give our LoRA model's logits."""
@@ -167,7 +170,7 @@ def test_lora_round_trip_peft_and_merged_export_give_our_logits(tmp_path):
     "lora.enable_lora=true",
     "lora.lora_rank=4",
     "lora.lora_alpha=8",
-    "lora.lora_module_path=decoder/layers/(self_attention/(query|key|value|out)|mlp/(wi_0|wi_1|wo))",
+    f"lora.lora_module_path={LORA_MODULES}",
     "learning_rate=1e-2",
     "warmup_steps_fraction=0",
     "dataset_type=synthetic",
@@ -200,6 +203,29 @@ def test_lora_round_trip_peft_and_merged_export_give_our_logits(tmp_path):
   print(f"\nLoRA logits: PEFT vs ours {peft_diff:.2e}, merged vs ours {merged_diff:.2e}")
   assert np.max(np.abs(base_logits - ours)) > 1e-2  # the adapters moved the model
   assert peft_diff < 1e-4 and merged_diff < 1e-4
+
+  # decode.py's params: the run's adapters (its latest checkpoint) joined onto load_parameters_path's base.
+  np.testing.assert_allclose(_decoding_logits(tmp_path, base_params, model_yml, tokens), ours, atol=1e-5)
+
+
+def _decoding_logits(tmp_path, base_params: str, model_yml: str, tokens: np.ndarray) -> np.ndarray:
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  from MaxText import decoding, mesh  # pylint: disable=import-outside-toplevel
+  from MaxText.hf_conversion import converter  # pylint: disable=import-outside-toplevel
+
+  run_keys = dict(run_name="lora", base_output_directory=str(tmp_path), load_parameters_path=base_params)
+  lora_keys = dict(enable_lora=True, lora_rank=4, lora_alpha=8.0, lora_module_path=LORA_MODULES)
+  config = converter.maxtext_config(
+    model_yml, dtype="float32", weight_dtype="float32", max_target_length=tokens.shape[1], **run_keys, **lora_keys
+  )
+  device_mesh = mesh.create_device_mesh(config)
+  model, abstract = decoding.build(config, device_mesh)
+  params = decoding.load_params(config, model, abstract, device_mesh)
+  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+  with jax.default_matmul_precision("float32"):
+    return np.asarray(model.apply({"params": params}, tokens, positions))
 
 
 def maxtext_io_keys(items: str) -> list[tuple]:
