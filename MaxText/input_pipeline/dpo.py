@@ -104,9 +104,10 @@ class DpoDecoder(SftDecoder):
     keep_c, keep_r = self._fit(chosen, rejected)
     parts = [(chosen[:keep_c], chosen_mask[:keep_c], 1), (rejected[:keep_r], rejected_mask[:keep_r], 2)]
     if any(len(ids) < 2 or not any(mask[1:]) for ids, mask, _ in parts):
-      self._count("dropped")
+      self._drop(self.max_tokens)
       empty = np.zeros(0, np.int32)
       return {"inputs": empty, "targets": empty, "loss_mask": empty, "segment_ids": empty, "inputs_position": empty}
+    self._dropped_in_a_row = 0
     document = {k: [] for k in ("inputs", "targets", "loss_mask", "segment_ids", "inputs_position")}
     for ids, mask, segment in parts:
       document["inputs"] += ids[:-1]

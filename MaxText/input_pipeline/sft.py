@@ -148,20 +148,25 @@ class SftDecoder:
     ids, mask = np.asarray(ids, np.int32), np.asarray(mask, np.int32)
     loss_mask = mask[1:] if self.completion_only else np.ones(len(ids) - 1, np.int32)
     if len(ids) < 2 or not loss_mask.any():
-      self._count("dropped")
-      self._dropped_in_a_row += 1
+      self._drop(self.max_tokens - 1)
       ids, loss_mask = np.zeros(1, np.int32), np.zeros(0, np.int32)
-      if self._dropped_in_a_row >= MAX_DROPPED_IN_A_ROW:  # else an epoch-less stream of such samples never ends
-        raise UserError(
-          f"the last {self._dropped_in_a_row:,} {self.split} samples were all dropped: none has a loss token left "
-          f"within max_target_length={self.max_tokens - 1} (e.g. prompts longer than a row); raise "
-          "max_target_length or shorten the samples"
-        )
     else:
       self._dropped_in_a_row = 0
     if self.counts["read"] >= 1000 and str(self.counts["read"]).strip("0") == "1":
       self._log()
     return {"inputs": ids[:-1], "targets": ids[1:], "loss_mask": loss_mask}
+
+  def _drop(self, row_length: int) -> None:
+    """Counts a dropped sample. MAX_DROPPED_IN_A_ROW in a row stop the run: an epoch-less stream of such samples
+    would never yield a row."""
+    self._count("dropped")
+    self._dropped_in_a_row = getattr(self, "_dropped_in_a_row", 0) + 1
+    if self._dropped_in_a_row >= MAX_DROPPED_IN_A_ROW:
+      raise UserError(
+        f"the last {self._dropped_in_a_row:,} {self.split} samples were all dropped: none has a loss token left "
+        f"within max_target_length={row_length} (e.g. prompts longer than a row); raise max_target_length or "
+        "shorten the samples"
+      )
 
   def _count(self, what: str) -> None:
     self.counts[what] += 1

@@ -227,3 +227,12 @@ def test_dpo_run_learns_the_preference_and_matches_trl(tokenizer_dir, tmp_path):
   for name, value in expected.items():
     print(f"{name}: ours {ours[name]:.7g}, TRL {value:.7g}, relative {abs(ours[name] - value) / max(abs(value), 1e-12):.1e}")
     assert ours[name] == pytest.approx(value, rel=1e-4, abs=1e-7), name
+
+
+def test_pairs_that_are_all_dropped_stop_the_run_with_one_line(tokenizer_dir):
+  from MaxText.input_pipeline import sft  # pylint: disable=import-outside-toplevel
+
+  decoder = DpoDecoder(_dpo_config(tokenizer_dir, max_target_length=4))  # no prompt leaves room for a response
+  with pytest.raises(UserError, match=r"the last 1,000 train samples were all dropped: none has a loss token left"):
+    for _ in range(sft.MAX_DROPPED_IN_A_ROW):
+      decoder(PAIRS[0])
