@@ -151,10 +151,10 @@ def test_the_loss_adds_the_load_balancing_term_in_every_layer_layout():
       decoder = layer_stacking.stack_layers(params["decoder"], config.num_decoder_layers, config.param_scan_axis)
       layer_params = {**params, "decoder": decoder}
     terms = jax.jit(lambda p, b, m=model, c=config: train_step.loss_fn(m, c, p, b, jax.random.PRNGKey(0), True))
-    total, (weights, aux, _) = terms(layer_params, batch)
+    total, (weights, aux, *_) = terms(layer_params, batch)
     lb = aux["moe_lb_loss"]
     if not results:
-      eval_total, (_, eval_aux, _) = train_step.loss_fn(model, config, params, batch, jax.random.PRNGKey(0), False)
+      eval_total, (_, eval_aux, *_) = train_step.loss_fn(model, config, params, batch, jax.random.PRNGKey(0), False)
       assert float(eval_aux["moe_lb_loss"]) == 0.0  # eval is cross-entropy only
       np.testing.assert_allclose(total - lb, eval_total, rtol=1e-6)
     results[(scan, remat)] = (float(total), float(lb) / float(weights))
