@@ -34,6 +34,8 @@ def _is_messages(value) -> bool:
 class DpoDecoder(SftDecoder):
   """Callable record -> {"inputs", "targets", "loss_mask", "segment_ids", "inputs_position"} (int32)."""
 
+  LOG_WORDS = ("DPO", "pairs", "cut", "response token")
+
   def __init__(self, config, train: bool = True):
     self.columns = data_columns(config)
     if self.columns not in (["chosen", "rejected"], ["prompt", "chosen", "rejected"]):
@@ -104,7 +106,7 @@ class DpoDecoder(SftDecoder):
     keep_c, keep_r = self._fit(chosen, rejected)
     parts = [(chosen[:keep_c], chosen_mask[:keep_c], 1), (rejected[:keep_r], rejected_mask[:keep_r], 2)]
     if any(len(ids) < 2 or not any(mask[1:]) for ids, mask, _ in parts):
-      self._drop(self.max_tokens)
+      self._drop(self.row_length)
       empty = np.zeros(0, np.int32)
       return {"inputs": empty, "targets": empty, "loss_mask": empty, "segment_ids": empty, "inputs_position": empty}
     self._dropped_in_a_row = 0
@@ -117,12 +119,6 @@ class DpoDecoder(SftDecoder):
       document["inputs_position"] += list(range(len(ids) - 1))
     return {k: np.asarray(v, np.int32) for k, v in document.items()}
 
-  def _log(self) -> None:
-    c = self.counts
-    from MaxText import max_logging  # pylint: disable=import-outside-toplevel
-
-    max_logging.log(
-      f"DPO {self.split} data so far: {c['read']:,} pairs read, {c['truncated']:,} cut to max_target_length="
-      f"{self.max_tokens}, {c['dropped']:,} dropped with no response token left",
-      every_process=True,
-    )
+  @property
+  def row_length(self) -> int:
+    return self.max_tokens  # a pair's two samples share one row

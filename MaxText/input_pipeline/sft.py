@@ -148,7 +148,7 @@ class SftDecoder:
     ids, mask = np.asarray(ids, np.int32), np.asarray(mask, np.int32)
     loss_mask = mask[1:] if self.completion_only else np.ones(len(ids) - 1, np.int32)
     if len(ids) < 2 or not loss_mask.any():
-      self._drop(self.max_tokens - 1)
+      self._drop(self.row_length)
       ids, loss_mask = np.zeros(1, np.int32), np.zeros(0, np.int32)
     else:
       self._dropped_in_a_row = 0
@@ -173,10 +173,17 @@ class SftDecoder:
     if self.counts[what] == 1:
       self._log()
 
+  # The counts line's words: (what the decoder is, its samples, what truncation did, what a dropped one lacks).
+  LOG_WORDS = ("SFT", "samples", "truncated", "loss token")
+
   def _log(self) -> None:
-    c = self.counts
+    c, (kind, samples, truncated, lacking) = self.counts, self.LOG_WORDS
     max_logging.log(
-      f"SFT {self.split} data so far: {c['read']:,} samples read, {c['truncated']:,} truncated to max_target_length="
-      f"{self.max_tokens - 1}, {c['dropped']:,} dropped with no loss token left",
+      f"{kind} {self.split} data so far: {c['read']:,} {samples} read, {c['truncated']:,} {truncated} to "
+      f"max_target_length={self.row_length}, {c['dropped']:,} dropped with no {lacking} left",
       every_process=True,
     )
+
+  @property
+  def row_length(self) -> int:
+    return self.max_tokens - 1  # max_tokens counts the (input, target) pairs' tokens, one more than a row
