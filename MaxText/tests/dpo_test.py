@@ -1,5 +1,5 @@
-"""DPO: pairs as rows, step 0 (policy = reference: loss log 2, rewards 0), parity with TRL's loss on transformers'
-log-probs of the exported policy and of the reference, a 30-step run, and bad input.
+"""DPO: pairs as rows, step 0 (policy = reference: loss log 2, rewards 0), parity with TRL's DPOTrainer in
+transformers (a policy apart from its reference, and the policy a 30-step run exports), and bad input.
 
 A tiny llama and tokenizer are built here (nothing is downloaded).
 """
@@ -103,79 +103,143 @@ def _dpo_args(tokenizer_dir, data):
   ]
 
 
-def _step0(tokenizer_dir, tmp_path, hf_dir):
-  """Our DPO loss and metrics at step 0 (policy = reference) on the converted llama, and the config, model, params."""
+def _converted(hf_dir, directory) -> str:
+  from MaxText.hf_conversion import converter  # pylint: disable=import-outside-toplevel
+
+  converter.to_maxtext(hf_dir, str(directory))
+  return str(directory)
+
+
+def _ours(tokenizer_dir, policy_dir, reference_dir) -> dict:
+  """Our DPO loss and metrics, means over PAIRS, of a policy against a reference (both converted MaxText dirs)."""
   import jax  # pylint: disable=import-outside-toplevel
 
   from MaxText import train_step  # pylint: disable=import-outside-toplevel
   from MaxText.hf_conversion import converter, logit_check  # pylint: disable=import-outside-toplevel
 
-  converter.to_maxtext(hf_dir, str(tmp_path / "maxtext"))
-  config, model, params = logit_check.converted_model(
-    os.path.join(tmp_path / "maxtext", converter.MODEL_YML), os.path.join(tmp_path / "maxtext", converter.PARAMS_DIR), 64
-  )
+  def converted(directory):
+    return logit_check.converted_model(
+      os.path.join(directory, converter.MODEL_YML), os.path.join(directory, converter.PARAMS_DIR), 64
+    )
+
+  _, _, reference = converted(reference_dir)
+  config, model, policy = converted(policy_dir)
   config = config.replace(use_dpo=True, dpo_beta=BETA, dpo_label_smoothing=0.0)
   batch = _rows(DpoDecoder(_dpo_config(tokenizer_dir)), PAIRS, 64)
-  extras = train_step.StepExtras(reference=params)
   with jax.default_matmul_precision("float32"):
-    loss, aux = train_step.loss_fn(model, config, params, batch, jax.random.PRNGKey(0), True, extras)
-  return float(loss / aux.weights), {k: float(v / aux.weights) for k, v in aux.metrics.items()}
+    extras = train_step.StepExtras(reference=reference)
+    loss, aux = train_step.loss_fn(model, config, policy, batch, jax.random.PRNGKey(0), True, extras)
+  return {"loss": float(loss / aux.weights), **{k: float(v / aux.weights) for k, v in aux.metrics.items()}}
 
 
 def test_step0_policy_is_the_reference(tokenizer_dir, tmp_path):
-  loss, metrics = _step0(tokenizer_dir, tmp_path, _hf_llama(tmp_path / "hf"))
-  assert loss == pytest.approx(np.log(2), rel=1e-6)
+  start = _converted(_hf_llama(tmp_path / "hf"), tmp_path / "maxtext")
+  ours = _ours(tokenizer_dir, start, start)
+  assert ours["loss"] == pytest.approx(np.log(2), rel=1e-6)
   for name in ("dpo/chosen_rewards", "dpo/rejected_rewards", "dpo/margin", "dpo/reward_accuracy"):
-    assert metrics[name] == 0.0, name
+    assert ours[name] == 0.0, name
 
 
-def _hf_response_logps(model_dir, tokenizer_dir) -> np.ndarray:
-  """(pairs, 2) transformers' summed log-probs of each chosen and rejected response, the response being what
-  apply_chat_template adds after the prompt's generation prompt, less the newline after the end-of-turn token."""
-  tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
-  model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
-  out = np.zeros((len(PAIRS), 2))
-  for i, pair in enumerate(PAIRS):
-    prompt = [{"role": "user", "content": pair["prompt"]}]
-    start = len(tok.apply_chat_template(prompt, add_generation_prompt=True)["input_ids"])
-    for j, column in enumerate(("chosen", "rejected")):
-      ids = tok.apply_chat_template(prompt + [{"role": "assistant", "content": pair[column]}])["input_ids"]
-      ids = ids[: len(ids) - 1]  # the "\n" the template writes after <|im_end|> belongs to no turn
-      with torch.no_grad():
-        logps = torch.log_softmax(model(torch.tensor(ids)[None]).logits[0].double(), -1)  # (T, V)
-      out[i, j] = float(sum(logps[t - 1, ids[t]] for t in range(start, len(ids))))
-  return out
+# TRL's names for our dpo/* metrics.
+TRL_METRICS = {
+  "rewards/chosen": "dpo/chosen_rewards",
+  "rewards/rejected": "dpo/rejected_rewards",
+  "rewards/margins": "dpo/margin",
+  "rewards/accuracies": "dpo/reward_accuracy",
+}
 
 
-def _trl_sigmoid_dpo(policy, reference, beta, label_smoothing=0.0) -> dict:
-  """TRL's sigmoid DPO loss (trl 1.16 DPOTrainer._compute_loss, written out: its loss is not a separate function)."""
-  logsigmoid = torch.nn.functional.logsigmoid
-  policy, reference = torch.tensor(policy), torch.tensor(reference)
-  chosen_rewards = beta * (policy[:, 0] - reference[:, 0])
-  rejected_rewards = beta * (policy[:, 1] - reference[:, 1])
-  delta = chosen_rewards - rejected_rewards
-  losses = -logsigmoid(delta) * (1 - label_smoothing) - logsigmoid(-delta) * label_smoothing
-  return {
-    "loss": float(losses.mean()),
-    "dpo/chosen_rewards": float(chosen_rewards.mean()),
-    "dpo/rejected_rewards": float(rejected_rewards.mean()),
-    "dpo/margin": float(delta.mean()),
-    "dpo/reward_accuracy": float((chosen_rewards > rejected_rewards).float().mean()),
-  }
+def _trl_dpo(policy_hf, reference_hf, tokenizer_dir, tmp_path) -> dict:
+  """TRL's DPOTrainer (its tokenization, collator, forward and sigmoid loss) on PAIRS as chat records: the loss and
+  the reward metrics of the HF policy against the HF reference, under our metric names.
+
+  TRL's responses end with the newline that the template writes after <|im_end|>; our rows leave it out (it belongs
+  to no turn). Asserted to be the only difference from our rows' tokens, and left out of TRL's batch.
+  """
+  import datasets  # pylint: disable=import-outside-toplevel
+  import trl  # pylint: disable=import-outside-toplevel  # requirements-test.txt
+
+  def load(directory):
+    return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager")
+
+  records = [
+    {
+      "prompt": [{"role": "user", "content": pair["prompt"]}],
+      "chosen": [{"role": "assistant", "content": pair["chosen"]}],
+      "rejected": [{"role": "assistant", "content": pair["rejected"]}],
+    }
+    for pair in PAIRS
+  ]
+  args = trl.DPOConfig(  # float32: DPOConfig's default bf16 would run the reference under bfloat16 autocast
+    output_dir=str(tmp_path / "trl"),
+    beta=BETA,
+    loss_type=["sigmoid"],
+    bf16=False,
+    max_length=None,
+    report_to=[],
+    use_cpu=True,
+  )
+  trainer = trl.DPOTrainer(
+    model=load(policy_hf),
+    ref_model=load(reference_hf),
+    args=args,
+    train_dataset=datasets.Dataset.from_list(records),
+    processing_class=transformers.AutoTokenizer.from_pretrained(tokenizer_dir),
+  )
+  ours = _rows(DpoDecoder(_dpo_config(tokenizer_dir)), PAIRS, 64)
+  examples = []
+  for row, example in enumerate(trainer.train_dataset):
+    newline = trainer.processing_class.convert_tokens_to_ids("\u010a")  # byte-level BPE's "\n"
+    kept = {"prompt_ids": example["prompt_ids"]}
+    for segment, column in ((1, "chosen"), (2, "rejected")):
+      ids = example[f"{column}_ids"]
+      assert ids[-1] == newline, ids
+      kept[f"{column}_ids"] = ids[:-1]
+      in_segment = ours["targets_segmentation"][row] == segment
+      assert ours["targets"][row][in_segment].tolist() == ids[:-1]
+      prompt = ours["inputs"][row][ours["inputs_segmentation"][row] == segment][: len(example["prompt_ids"])]
+      assert prompt.tolist() == example["prompt_ids"]
+    examples.append(kept)
+  with torch.no_grad():
+    loss = trainer.compute_loss(trainer.model, trainer.data_collator(examples))
+  mode = "train" if trainer.model.training else "eval"
+  metrics = trainer._metrics[mode]  # pylint: disable=protected-access  # what TRL logs, before it averages steps
+  return {"loss": float(loss), **{ours_name: metrics[name][-1] for name, ours_name in TRL_METRICS.items()}}
+
+
+def _assert_equal_to_trl(ours: dict, trl: dict):
+  for name, value in trl.items():
+    print(f"{name}: ours {ours[name]:.7g}, TRL {value:.7g}, relative {abs(ours[name] - value) / max(abs(value), 1e-12):.1e}")
+    assert ours[name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
+
+
+def test_a_policy_apart_from_its_reference_gives_trls_loss_and_rewards(tokenizer_dir, tmp_path):
+  """A policy that is the reference with noise added: our loss and dpo/* metrics equal TRL's DPOTrainer's."""
+  reference_hf = _hf_llama(tmp_path / "reference_hf")
+  policy = transformers.AutoModelForCausalLM.from_pretrained(reference_hf, dtype=torch.float32)
+  torch.manual_seed(3)  # a noise under which the policy prefers the chosen response for half the pairs
+  with torch.no_grad():
+    for p in policy.parameters():
+      p.add_(0.05 * torch.randn_like(p))
+  policy.save_pretrained(str(tmp_path / "policy_hf"))
+  ours = _ours(
+    tokenizer_dir,
+    _converted(str(tmp_path / "policy_hf"), tmp_path / "policy"),
+    _converted(reference_hf, tmp_path / "reference"),
+  )
+  trl = _trl_dpo(str(tmp_path / "policy_hf"), reference_hf, tokenizer_dir, tmp_path)
+  assert trl["dpo/reward_accuracy"] == 0.5  # the policy is not the reference
+  _assert_equal_to_trl(ours, trl)
 
 
 @pytest.mark.slow
 def test_dpo_run_learns_the_preference_and_matches_trl(tokenizer_dir, tmp_path):
   """30 DPO steps of train.py from a converted llama: the loss falls and the reward accuracy rises above 0.5; then
-  our loss and metrics on the exported policy against the starting model equal TRL's on transformers' log-probs."""
-  import jax  # pylint: disable=import-outside-toplevel
-
-  from MaxText import train_step  # pylint: disable=import-outside-toplevel
-  from MaxText.hf_conversion import converter, logit_check  # pylint: disable=import-outside-toplevel
+  our loss and metrics on the exported policy against the starting model equal TRL's DPOTrainer's in transformers."""
+  from MaxText.hf_conversion import converter  # pylint: disable=import-outside-toplevel
 
   hf_dir = _hf_llama(tmp_path / "hf")
-  start = str(tmp_path / "start")
-  converter.to_maxtext(hf_dir, start)
+  start = _converted(hf_dir, tmp_path / "start")
   metrics_file = tmp_path / "dpo.jsonl"
   data = _write_pairs(tmp_path / "pairs.jsonl")
   train = run_python(
@@ -207,26 +271,9 @@ def test_dpo_run_learns_the_preference_and_matches_trl(tokenizer_dir, tmp_path):
   run_dir = str(tmp_path / "runs" / "dpo")
   result = run_python(["MaxText/convert_checkpoint.py", "to_hf", "--maxtext_dir", run_dir, "--output_dir", exported])
   assert result.returncode == 0, result.stderr[-3000:]
-  expected = _trl_sigmoid_dpo(_hf_response_logps(exported, tokenizer_dir), _hf_response_logps(hf_dir, tokenizer_dir), BETA)
-  assert abs(expected["dpo/margin"]) > 1e-3  # the policy moved away from the reference
-
-  policy_dir = str(tmp_path / "policy")
-  converter.to_maxtext(exported, policy_dir)
-  _, _, reference = logit_check.converted_model(
-    os.path.join(start, converter.MODEL_YML), os.path.join(start, converter.PARAMS_DIR), 64
-  )
-  config, model, policy = logit_check.converted_model(
-    os.path.join(policy_dir, converter.MODEL_YML), os.path.join(policy_dir, converter.PARAMS_DIR), 64
-  )
-  config = config.replace(use_dpo=True, dpo_beta=BETA, dpo_label_smoothing=0.0)
-  batch = _rows(DpoDecoder(_dpo_config(tokenizer_dir)), PAIRS, 64)
-  with jax.default_matmul_precision("float32"):
-    extras = train_step.StepExtras(reference=reference)
-    loss, aux = train_step.loss_fn(model, config, policy, batch, jax.random.PRNGKey(0), True, extras)
-  ours = {"loss": float(loss / aux.weights), **{k: float(v / aux.weights) for k, v in aux.metrics.items()}}
-  for name, value in expected.items():
-    print(f"{name}: ours {ours[name]:.7g}, TRL {value:.7g}, relative {abs(ours[name] - value) / max(abs(value), 1e-12):.1e}")
-    assert ours[name] == pytest.approx(value, rel=1e-4, abs=1e-7), name
+  trl = _trl_dpo(exported, hf_dir, tokenizer_dir, tmp_path)
+  assert abs(trl["dpo/margin"]) > 1e-3  # the policy moved away from the reference
+  _assert_equal_to_trl(_ours(tokenizer_dir, _converted(exported, tmp_path / "policy"), start), trl)
 
 
 def test_pairs_that_are_all_dropped_stop_the_run_with_one_line(tokenizer_dir):
