@@ -27,26 +27,30 @@ def check_eval_data(config, mesh) -> None:
     iterator.close()
 
 
-def evaluate(config, mesh, p_eval_step, params) -> dict:
-  """Token-weighted mean loss over the eval data; stops at eval_steps or when every process is out of data."""
+def evaluate(config, mesh, p_eval_step, state) -> dict:
+  """Mean loss over the eval data, weighted by target tokens (use_dpo: by pairs, with the dpo/* metrics' means);
+  stops at eval_steps or when every process is out of data."""
   start = time.time()
   iterator = create_eval_iterator(config, mesh)
-  total_loss, total_weights, steps = 0.0, 0.0, 0
+  sums, steps = {}, 0
   try:
     while config.eval_steps == -1 or steps < config.eval_steps:
-      metrics = jax.device_get(p_eval_step(params, next(iterator)))
+      metrics = jax.device_get(p_eval_step(state, next(iterator)))
       if metrics["evaluation/total_weights"] == 0:  # padding everywhere: the eval data is used up
         break
-      total_loss += float(metrics["evaluation/total_loss"])
-      total_weights += float(metrics["evaluation/total_weights"])
+      for name, value in metrics.items():
+        sums[name] = sums.get(name, 0.0) + float(value)
       steps += 1
   finally:
     iterator.close()
-  loss = total_loss / max(total_weights, 1.0)
+  weights = sums.pop("evaluation/total_weights", 0.0)
+  loss = sums.pop("evaluation/total_loss", 0.0) / max(weights, 1.0)
+  means = {f"eval/{name.removeprefix('evaluation/')}": value / max(weights, 1.0) for name, value in sums.items()}
+  quality = means if config.use_dpo else {"eval/perplexity": math.exp(min(loss, 700.0))}  # DPO's loss is no LM's
   return {
     "eval/loss": loss,
-    "eval/perplexity": math.exp(min(loss, 700.0)),
-    "eval/total_weights": total_weights,
+    **quality,
+    "eval/total_weights": weights,
     "eval/steps": steps,
     "eval/seconds": time.time() - start,
   }

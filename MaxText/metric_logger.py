@@ -94,10 +94,13 @@ class MetricLogger:
     return written
 
   def write_eval(self, step: int, metrics: dict) -> None:
+    if "eval/perplexity" in metrics:
+      quality = f"perplexity={metrics['eval/perplexity']:.3f}"
+    else:  # use_dpo
+      quality = f"reward_accuracy={metrics['eval/dpo/reward_accuracy']:.3f}, margin={metrics['eval/dpo/margin']:.4f}"
     max_logging.log(
-      f"eval after step {step}: eval_loss={metrics['eval/loss']:.4f}, perplexity={metrics['eval/perplexity']:.3f}, "
-      f"eval_steps={metrics['eval/steps']}, total_weights={int(metrics['eval/total_weights'])}, "
-      f"seconds={metrics['eval/seconds']:.3f}"
+      f"eval after step {step}: eval_loss={metrics['eval/loss']:.4f}, {quality}, eval_steps={metrics['eval/steps']}, "
+      f"total_weights={int(metrics['eval/total_weights'])}, seconds={metrics['eval/seconds']:.3f}"
     )
     if self.writer is not None:
       for name, value in metrics.items():

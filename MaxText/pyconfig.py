@@ -223,8 +223,6 @@ def _dpo_data(values, sources):
   if values["packing"] and config_loader.set_by_user(sources, "packing"):
     raise ConfigError("use_dpo=true needs packing=false (each row holds one preference pair): leave packing unset")
   _set(values, sources, "packing", False)
-  if values["eval_interval"] > 0:
-    raise ConfigError("use_dpo=true has no eval step yet: set eval_interval=-1")
   if values["quantization"] == "fp8":
     raise ConfigError("use_dpo=true does not run with quantization=fp8 yet (its train state has no reference params)")
 

@@ -165,7 +165,7 @@ class StepLoop:
     self._flush()
     started = time.perf_counter()
     with self.diagnostics.activity("eval"):
-      metrics = evaluation.evaluate(self.config, self.mesh, self.p_eval_step, state.params)
+      metrics = evaluation.evaluate(self.config, self.mesh, self.p_eval_step, state)
     self.goodput.phase("eval", time.perf_counter() - started)
     self.logger.write_eval(step, metrics)
     self.logger.reset_step_timer()

@@ -290,10 +290,13 @@ def _metrics(config, state, new_state, summed: Gradients, grads, finite, plan) -
   return metrics
 
 
-def eval_step(model, config, params, batch):
-  """Summed loss and weights of one eval batch (no dropout, no update)."""
-  total_loss, aux = loss_fn(model, config, params, batch, jax.random.PRNGKey(0), False)
-  return {"evaluation/total_loss": total_loss, "evaluation/total_weights": aux.weights}
+def eval_step(model, config, state, batch):
+  """Summed loss and weights of one eval batch (no dropout, no update); use_dpo: also dpo.METRICS, summed over the
+  pairs as the loss is (evaluation/dpo/...)."""
+  extras = StepExtras(fp8_meta=getattr(state, "fp8_meta", None), reference=dpo.reference_params(config, state))
+  total_loss, aux = loss_fn(model, config, state.params, batch, jax.random.PRNGKey(0), False, extras)
+  metrics = {"evaluation/total_loss": total_loss, "evaluation/total_weights": aux.weights}
+  return metrics | {f"evaluation/{name}": value for name, value in (aux.metrics or {}).items()}
 
 
 def jit_train_step(model, config, mesh, state_shardings):
@@ -336,8 +339,9 @@ def _checkified(step, config):
 
 
 def jit_eval_step(model, config, mesh, state_shardings):
+  """eval_step jitted on the train state (as upstream's: DPO's reference and fp8's scales live in it), not donated."""
   return jax.jit(
     functools.partial(eval_step, model, config),
-    in_shardings=(state_shardings.params, sharding.data_sharding(config, mesh)),
+    in_shardings=(state_shardings, sharding.data_sharding(config, mesh)),
     out_shardings=None,
   )

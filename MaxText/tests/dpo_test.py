@@ -149,18 +149,25 @@ TRL_METRICS = {
 }
 
 
-def _trl_dpo(policy_hf, reference_hf, tokenizer_dir, tmp_path) -> dict:
+def _hf_model(directory):
+  return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager")
+
+
+def _trl_dpo(policy, reference, tokenizer_dir, tmp_path, peft_adapter=None) -> dict:
   """TRL's DPOTrainer (its tokenization, collator, forward and sigmoid loss) on PAIRS as chat records: the loss and
-  the reward metrics of the HF policy against the HF reference, under our metric names.
+  the reward metrics of the policy against the reference (transformers models), under our metric names.
+
+  With peft_adapter (a PEFT adapter dir), the policy is the base and reference None: TRL adds a new adapter of that
+  config (its reference is then the base, the adapter disabled) and the test loads the adapter's weights into it. A
+  PeftModel passed in would instead be its own reference: TRL copies a pretrained adapter as the reference.
 
   TRL's responses end with the newline that the template writes after <|im_end|>; our rows leave it out (it belongs
   to no turn). Asserted to be the only difference from our rows' tokens, and left out of TRL's batch.
   """
   import datasets  # pylint: disable=import-outside-toplevel
+  import peft  # pylint: disable=import-outside-toplevel  # requirements-test.txt
+  import safetensors.torch  # pylint: disable=import-outside-toplevel
   import trl  # pylint: disable=import-outside-toplevel  # requirements-test.txt
-
-  def load(directory):
-    return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager")
 
   records = [
     {
@@ -180,12 +187,16 @@ def _trl_dpo(policy_hf, reference_hf, tokenizer_dir, tmp_path) -> dict:
     use_cpu=True,
   )
   trainer = trl.DPOTrainer(
-    model=load(policy_hf),
-    ref_model=load(reference_hf),
+    model=policy,
+    ref_model=reference,
     args=args,
     train_dataset=datasets.Dataset.from_list(records),
     processing_class=transformers.AutoTokenizer.from_pretrained(tokenizer_dir),
+    peft_config=None if peft_adapter is None else peft.LoraConfig.from_pretrained(peft_adapter),
   )
+  if peft_adapter is not None:
+    weights = safetensors.torch.load_file(os.path.join(peft_adapter, "adapter_model.safetensors"))
+    assert not peft.set_peft_model_state_dict(trainer.model, weights).unexpected_keys
   ours = _rows(DpoDecoder(_dpo_config(tokenizer_dir)), PAIRS, 64)
   examples = []
   for row, example in enumerate(trainer.train_dataset):
@@ -227,21 +238,23 @@ def test_a_policy_apart_from_its_reference_gives_trls_loss_and_rewards(tokenizer
     _converted(str(tmp_path / "policy_hf"), tmp_path / "policy"),
     _converted(reference_hf, tmp_path / "reference"),
   )
-  trl = _trl_dpo(str(tmp_path / "policy_hf"), reference_hf, tokenizer_dir, tmp_path)
+  trl = _trl_dpo(_hf_model(str(tmp_path / "policy_hf")), _hf_model(reference_hf), tokenizer_dir, tmp_path)
   assert trl["dpo/reward_accuracy"] == 0.5  # the policy is not the reference
   _assert_equal_to_trl(ours, trl)
 
 
 @pytest.mark.slow
 def test_dpo_run_learns_the_preference_and_matches_trl(tokenizer_dir, tmp_path):
-  """30 DPO steps of train.py from a converted llama: the loss falls and the reward accuracy rises above 0.5; then
-  our loss and metrics on the exported policy against the starting model equal TRL's DPOTrainer's in transformers."""
+  """30 DPO steps of train.py from a converted llama, evaluating on the pairs every 10: the loss falls and the reward
+  accuracy rises above 0.5; then our loss and metrics on the exported policy against the starting model equal TRL's
+  DPOTrainer's in transformers, and so does the eval after the last step."""
   from MaxText.hf_conversion import converter  # pylint: disable=import-outside-toplevel
 
   hf_dir = _hf_llama(tmp_path / "hf")
   start = _converted(hf_dir, tmp_path / "start")
   metrics_file = tmp_path / "dpo.jsonl"
   data = _write_pairs(tmp_path / "pairs.jsonl")
+  eval_data = _write_pairs(tmp_path / "eval_pairs.jsonl", repeats=1)
   train = run_python(
     [
       "MaxText/train.py",
@@ -256,9 +269,13 @@ def test_dpo_run_learns_the_preference_and_matches_trl(tokenizer_dir, tmp_path):
       "enable_tensorboard=false",
       "async_checkpointing=false",
       *_dpo_args(tokenizer_dir, data),
+      f"hf_eval_files={eval_data}",
+      "eval_interval=10",
+      "dtype=float32",  # the eval's figures are compared with TRL's in float32 too
     ]
   )
   assert train.returncode == 0, train.stderr[-3000:]
+  assert "eval after step 29: eval_loss=" in train.stdout + train.stderr
   with open(metrics_file, encoding="utf-8") as f:
     metrics = [json.loads(line) for line in f if line.strip()]
   losses = [m["learning/loss"] for m in metrics]
@@ -271,9 +288,75 @@ def test_dpo_run_learns_the_preference_and_matches_trl(tokenizer_dir, tmp_path):
   run_dir = str(tmp_path / "runs" / "dpo")
   result = run_python(["MaxText/convert_checkpoint.py", "to_hf", "--maxtext_dir", run_dir, "--output_dir", exported])
   assert result.returncode == 0, result.stderr[-3000:]
-  trl = _trl_dpo(exported, hf_dir, tokenizer_dir, tmp_path)
+  trl = _trl_dpo(_hf_model(exported), _hf_model(hf_dir), tokenizer_dir, tmp_path)
   assert abs(trl["dpo/margin"]) > 1e-3  # the policy moved away from the reference
   _assert_equal_to_trl(_ours(tokenizer_dir, _converted(exported, tmp_path / "policy"), start), trl)
+  evals = [m for m in metrics if "eval/loss" in m]
+  assert [m["step"] for m in evals] == [9, 19, 29] and all(m["eval/total_weights"] == len(PAIRS) for m in evals)
+  assert evals[-1]["eval/dpo/reward_accuracy"] > 0.5
+  eval_after_training = {name.removeprefix("eval/"): value for name, value in evals[-1].items()}
+  _assert_equal_to_trl(eval_after_training, trl)
+
+
+def _last_eval(metrics_file) -> dict:
+  """The dpo/* figures of the run's last eval (its metrics-file line), under _ours's names."""
+  with open(metrics_file, encoding="utf-8") as f:
+    evals = [json.loads(line) for line in f if "eval/loss" in line]
+  return {name.removeprefix("eval/"): value for name, value in evals[-1].items()}
+
+
+@pytest.mark.slow
+def test_lora_dpo_run_matches_trl_on_the_peft_export(tokenizer_dir, tmp_path):
+  """DPO with LoRA, whose reference is the base (B zeroed): 20 steps of train.py from a converted llama start at
+  log 2; the run's eval after its last step equals TRL's DPOTrainer training that adapter (the PEFT export) from the
+  HF base, whose reference is the base with the adapter disabled."""
+  from MaxText.hf_conversion import converter  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.lora_test import LORA_MODULES  # pylint: disable=import-outside-toplevel
+
+  hf_dir = _hf_llama(tmp_path / "hf")
+  start = _converted(hf_dir, tmp_path / "start")
+  metrics_file = tmp_path / "lora_dpo.jsonl"
+  train = run_python(
+    [
+      "MaxText/train.py",
+      os.path.join(start, converter.MODEL_YML),
+      "run_name=lora_dpo",
+      f"base_output_directory={tmp_path / 'runs'}",
+      f"load_parameters_path={os.path.join(start, converter.PARAMS_DIR)}",
+      f"metrics_file={metrics_file}",
+      "enable_lora=true",
+      "lora_rank=4",
+      f"lora_module_path={LORA_MODULES}",
+      "steps=20",
+      "per_device_batch_size=4",
+      "learning_rate=1e-2",
+      "enable_tensorboard=false",
+      "async_checkpointing=false",
+      "dtype=float32",
+      *_dpo_args(tokenizer_dir, _write_pairs(tmp_path / "pairs.jsonl")),
+      f"hf_eval_files={_write_pairs(tmp_path / 'eval_pairs.jsonl', repeats=1)}",
+      "eval_interval=20",
+    ]
+  )
+  assert train.returncode == 0, train.stderr[-3000:]
+  with open(metrics_file, encoding="utf-8") as f:
+    first = json.loads(f.readline())
+  assert first["learning/loss"] == pytest.approx(np.log(2), rel=1e-5)  # B starts at zero: the policy is the base
+  exported = str(tmp_path / "peft")
+  result = run_python(
+    [
+      "MaxText/convert_checkpoint.py",
+      "to_hf",
+      "--maxtext_dir",
+      str(tmp_path / "runs" / "lora_dpo"),
+      "--output_dir",
+      exported,
+    ]
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  trl = _trl_dpo(_hf_model(hf_dir), None, tokenizer_dir, tmp_path, peft_adapter=exported)
+  assert trl["dpo/reward_accuracy"] > 0.5 and trl["dpo/margin"] > 1e-3  # the adapters learned the preference
+  _assert_equal_to_trl(_last_eval(metrics_file), trl)
 
 
 def test_pairs_that_are_all_dropped_stop_the_run_with_one_line(tokenizer_dir):
