@@ -21,6 +21,7 @@ from MaxText import (
   flops,
   hlo_ops,
   interconnect,
+  lora_training,
   max_logging,
   memory_check,
   roofline,
@@ -263,7 +264,7 @@ def compile_for_target(config) -> Outcome:
   mesh = create_device_mesh(config, devices)
   start = time.perf_counter()
   setup, lowered = _lowered(config, mesh)
-  num_params = sum(x.size for x in jax.tree.leaves(setup.abstract_state.params))
+  num_params, _ = lora_training.model_size(setup.abstract_state.params)
   outcome = Outcome(config, target, devices, num_params, 0.0, memory_limit(target, devices))
   try:
     compiled = lowered.compile()

@@ -94,6 +94,20 @@ def join(base: dict, adapters: dict) -> dict:
   return out
 
 
+def model_size(params) -> tuple[int, int]:
+  """(the model's parameters, its LoRA adapters'): QLoRA's codes count as the weights they hold (nf4 packs two per
+  byte) and their scales not at all."""
+  total = sum(x.size for x in jax.tree.leaves(qlora.float_layout(params, jnp.float32)))
+  return total, sum(x.size for x in jax.tree.leaves(split(params)[1]))
+
+
+def describe_size(params) -> str:
+  """The run log's count; with LoRA also the adapters' share, the part that trains (PEFT's "trainable params")."""
+  total, adapters = model_size(params)
+  line = f"{total / 1e9:.6f} billion ({total:,})"
+  return line + (f", of which {adapters:,} trainable LoRA adapters ({100 * adapters / total:.3f}%)" if adapters else "")
+
+
 def adapters_only(state):
   """The part of a train state (or of its abstract shape) that a LoRA checkpoint holds: the step, the optimizer
   state and the adapters; the frozen base comes from load_parameters_path again. A state without adapters as is."""

@@ -19,7 +19,7 @@ from MaxText.errors import UserError, run_and_exit_on_user_error  # pylint: disa
 def _log_run_start(config, state) -> None:
   import jax  # pylint: disable=import-outside-toplevel
 
-  from MaxText import flops, max_logging  # pylint: disable=import-outside-toplevel
+  from MaxText import flops, lora_training, max_logging  # pylint: disable=import-outside-toplevel
 
   device = jax.devices()[0]
   max_logging.log(
@@ -27,8 +27,7 @@ def _log_run_start(config, state) -> None:
     f"process {jax.process_index()} of {jax.process_count()}"
   )
   max_logging.log("Config (value  # source):\n" + config.to_yaml())
-  num_params = sum(x.size for x in jax.tree.leaves(state.params))
-  max_logging.log(f"Number of parameters: {num_params / 1e9:.6f} billion ({num_params:,})")
+  max_logging.log(f"Number of parameters: {lora_training.describe_size(state.params)}")
   step_flops = flops.training_tflops_per_device(config)
   max_logging.log(flops.describe(step_flops))
   if jax.default_backend() == "cpu" and step_flops.total_tflops > 1:

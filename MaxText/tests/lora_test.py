@@ -343,3 +343,20 @@ def test_llama2_7b_lora_fits_v5e_8_with_room():
   outcome = aot_compile.compile_for_target(config)
   assert outcome.fits, outcome.compiler_error
   assert outcome.memory.peak_bytes < 10 * 2**30
+
+
+@pytest.mark.parametrize("qtype", ["", "int8", "nf4"])
+def test_the_logged_size_is_the_model_and_its_adapters_whatever_the_base_is_held_in(qtype):
+  """QLoRA's codes count as the weights they hold (nf4: two a byte) and their scales not at all."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  from MaxText import lora_training, train_state  # pylint: disable=import-outside-toplevel
+  from MaxText.mesh import create_device_mesh  # pylint: disable=import-outside-toplevel
+
+  plain = tiny_config()
+  model = sum(x.size for x in jax.tree.leaves(train_state.build(plain, create_device_mesh(plain)).abstract_state.params))
+  _, setup = _setup("lora_module_path=decoder/layers/self_attention/query", "lora_rank=4", f"lora_weight_qtype={qtype}")
+  adapters = plain.base_num_decoder_layers * (plain.base_emb_dim * 4 + 4 * plain.base_num_query_heads * plain.head_dim)
+  assert lora_training.model_size(setup.abstract_state.params) == (model + adapters, adapters)
+  share = f"{adapters:,} trainable LoRA adapters ({100 * adapters / (model + adapters):.3f}%)"
+  assert lora_training.describe_size(setup.abstract_state.params).endswith(share)
