@@ -190,7 +190,7 @@ def _check_paths(v):
   check_run_name(v["run_name"])
   if str(v["base_output_directory"]) != str(v["base_output_directory"]).strip():
     raise ConfigError(f"base_output_directory='{v['base_output_directory']}' has leading or trailing spaces")
-  if v["load_parameters_path"] and v["load_full_state_path"]:
+  if v["load_parameters_path"] and v["load_full_state_path"] and not v["enable_lora"]:  # LoRA: the base + its state
     raise ConfigError("load_parameters_path and load_full_state_path are both set; give at most one")
 
 

@@ -28,7 +28,9 @@ SECTIONS = {
       kind="int",
     ),
     "load_parameters_path": Key("Start from these params (an Orbax PyTree with params), e.g. <run>/checkpoints/<N>/items."),
-    "load_full_state_path": Key("Start from this whole train state (params, optimizer state, step); not with the above."),
+    "load_full_state_path": Key(
+      "Start from this whole train state (params, optimizer, step); with LoRA a LoRA run's, on the above."
+    ),
     "force_unroll": Key("generate_param_only_checkpoint.py: write per-layer params (layers_i) from scanned ones."),
   },
   "Optimizer": {

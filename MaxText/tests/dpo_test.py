@@ -248,36 +248,10 @@ def test_dpo_run_learns_the_preference_and_matches_trl(tokenizer_dir, tmp_path):
   """30 DPO steps of train.py from a converted llama, evaluating on the pairs every 10: the loss falls and the reward
   accuracy rises above 0.5; then our loss and metrics on the exported policy against the starting model equal TRL's
   DPOTrainer's in transformers, and so does the eval after the last step."""
-  from MaxText.hf_conversion import converter  # pylint: disable=import-outside-toplevel
-
   hf_dir = _hf_llama(tmp_path / "hf")
   start = _converted(hf_dir, tmp_path / "start")
-  metrics_file = tmp_path / "dpo.jsonl"
-  data = _write_pairs(tmp_path / "pairs.jsonl")
-  eval_data = _write_pairs(tmp_path / "eval_pairs.jsonl", repeats=1)
-  train = run_python(
-    [
-      "MaxText/train.py",
-      os.path.join(start, converter.MODEL_YML),
-      "run_name=dpo",
-      f"base_output_directory={tmp_path / 'runs'}",
-      f"load_parameters_path={os.path.join(start, converter.PARAMS_DIR)}",
-      f"metrics_file={metrics_file}",
-      "steps=30",
-      "per_device_batch_size=4",
-      "learning_rate=1e-3",
-      "enable_tensorboard=false",
-      "async_checkpointing=false",
-      *_dpo_args(tokenizer_dir, data),
-      f"hf_eval_files={eval_data}",
-      "eval_interval=10",
-      "dtype=float32",  # the eval's figures are compared with TRL's in float32 too
-    ]
-  )
-  assert train.returncode == 0, train.stderr[-3000:]
+  train, metrics = _train_dpo(tokenizer_dir, tmp_path, "dpo", start, "steps=30", "learning_rate=1e-3", "eval_interval=10")
   assert "eval after step 29: eval_loss=" in train.stdout + train.stderr
-  with open(metrics_file, encoding="utf-8") as f:
-    metrics = [json.loads(line) for line in f if line.strip()]
   losses = [m["learning/loss"] for m in metrics]
   accuracy = [m["dpo/reward_accuracy"] for m in metrics]
   assert len(losses) == 30 and losses[0] == pytest.approx(np.log(2), rel=1e-5)
@@ -298,11 +272,32 @@ def test_dpo_run_learns_the_preference_and_matches_trl(tokenizer_dir, tmp_path):
   _assert_equal_to_trl(eval_after_training, trl)
 
 
-def _last_eval(metrics_file) -> dict:
-  """The dpo/* figures of the run's last eval (its metrics-file line), under _ours's names."""
+def _train_dpo(tokenizer_dir, tmp_path, run_name, start, *args):
+  """A DPO run of train.py from the converted model `start` on PAIRS x 16, evaluating on PAIRS, in float32 (its
+  figures are compared with TRL's in float32); returns (the process, its metrics lines)."""
+  from MaxText.hf_conversion import converter  # pylint: disable=import-outside-toplevel
+
+  metrics_file = tmp_path / f"{run_name}.jsonl"
+  train = run_python(
+    [
+      "MaxText/train.py",
+      os.path.join(start, converter.MODEL_YML),
+      f"run_name={run_name}",
+      f"base_output_directory={tmp_path / 'runs'}",
+      f"load_parameters_path={os.path.join(start, converter.PARAMS_DIR)}",
+      f"metrics_file={metrics_file}",
+      "per_device_batch_size=4",
+      "enable_tensorboard=false",
+      "async_checkpointing=false",
+      "dtype=float32",
+      *_dpo_args(tokenizer_dir, _write_pairs(tmp_path / "pairs.jsonl")),
+      f"hf_eval_files={_write_pairs(tmp_path / 'eval_pairs.jsonl', repeats=1)}",
+      *args,
+    ]
+  )
+  assert train.returncode == 0, train.stderr[-3000:]
   with open(metrics_file, encoding="utf-8") as f:
-    evals = [json.loads(line) for line in f if "eval/loss" in line]
-  return {name.removeprefix("eval/"): value for name, value in evals[-1].items()}
+    return train, [json.loads(line) for line in f if line.strip()]
 
 
 @pytest.mark.slow
@@ -310,38 +305,15 @@ def test_lora_dpo_run_matches_trl_on_the_peft_export(tokenizer_dir, tmp_path):
   """DPO with LoRA, whose reference is the base (B zeroed): 20 steps of train.py from a converted llama start at
   log 2; the run's eval after its last step equals TRL's DPOTrainer training that adapter (the PEFT export) from the
   HF base, whose reference is the base with the adapter disabled."""
-  from MaxText.hf_conversion import converter  # pylint: disable=import-outside-toplevel
   from MaxText.tests.lora_test import LORA_MODULES  # pylint: disable=import-outside-toplevel
 
   hf_dir = _hf_llama(tmp_path / "hf")
   start = _converted(hf_dir, tmp_path / "start")
-  metrics_file = tmp_path / "lora_dpo.jsonl"
-  train = run_python(
-    [
-      "MaxText/train.py",
-      os.path.join(start, converter.MODEL_YML),
-      "run_name=lora_dpo",
-      f"base_output_directory={tmp_path / 'runs'}",
-      f"load_parameters_path={os.path.join(start, converter.PARAMS_DIR)}",
-      f"metrics_file={metrics_file}",
-      "enable_lora=true",
-      "lora_rank=4",
-      f"lora_module_path={LORA_MODULES}",
-      "steps=20",
-      "per_device_batch_size=4",
-      "learning_rate=1e-2",
-      "enable_tensorboard=false",
-      "async_checkpointing=false",
-      "dtype=float32",
-      *_dpo_args(tokenizer_dir, _write_pairs(tmp_path / "pairs.jsonl")),
-      f"hf_eval_files={_write_pairs(tmp_path / 'eval_pairs.jsonl', repeats=1)}",
-      "eval_interval=20",
-    ]
+  lora = ["enable_lora=true", "lora_rank=4", f"lora_module_path={LORA_MODULES}"]
+  _, metrics = _train_dpo(
+    tokenizer_dir, tmp_path, "lora_dpo", start, *lora, "steps=20", "learning_rate=1e-2", "eval_interval=20"
   )
-  assert train.returncode == 0, train.stderr[-3000:]
-  with open(metrics_file, encoding="utf-8") as f:
-    first = json.loads(f.readline())
-  assert first["learning/loss"] == pytest.approx(np.log(2), rel=1e-5)  # B starts at zero: the policy is the base
+  assert metrics[0]["learning/loss"] == pytest.approx(np.log(2), rel=1e-5)  # B starts at zero: the policy is the base
   exported = str(tmp_path / "peft")
   result = run_python(
     [
@@ -356,7 +328,8 @@ def test_lora_dpo_run_matches_trl_on_the_peft_export(tokenizer_dir, tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   trl = _trl_dpo(_hf_model(hf_dir), None, tokenizer_dir, tmp_path, peft_adapter=exported)
   assert trl["dpo/reward_accuracy"] > 0.5 and trl["dpo/margin"] > 1e-3  # the adapters learned the preference
-  _assert_equal_to_trl(_last_eval(metrics_file), trl)
+  last_eval = {name.removeprefix("eval/"): value for name, value in metrics[-1].items()}
+  _assert_equal_to_trl(last_eval, trl)
 
 
 def test_pairs_that_are_all_dropped_stop_the_run_with_one_line(tokenizer_dir):

@@ -2,6 +2,7 @@
 resumes from the newest step every process can restore, with the uninterrupted run's losses bitwise; the local tier
 also serves a run of one process; and the persistent tier restores with enable_single_replica_ckpt_restoring."""
 
+import functools
 import shutil
 import subprocess
 import sys
@@ -95,17 +96,30 @@ def test_killed_job_resumes_from_the_newest_step_every_process_has(killed, tmp_p
 
 
 @pytest.mark.slow
-def test_one_process_saves_and_restores_its_local_tier(tmp_path):
-  """One replica (one host): the local tier still saves and restores, with the uninterrupted losses bitwise."""
+@pytest.mark.parametrize("flags", [(), ("enable_lora=true", "lora_rank=4")], ids=["full", "lora"])
+def test_one_process_saves_and_restores_its_local_tier(tmp_path, flags):
+  """One replica (one host): the local tier still saves and restores, with the uninterrupted losses bitwise. A LoRA
+  run's local saves hold its adapters only (as its persistent ones): the base is joined back on restore."""
   reference = tmp_path / "reference"
-  whole = subprocess.run(_command(reference), cwd=REPO_ROOT, env=cpu_env(4), capture_output=True, text=True, check=False)
+  run = functools.partial(subprocess.run, cwd=REPO_ROOT, capture_output=True, text=True, check=False)
+  whole = run(_command(reference, *flags), env=cpu_env(4))
   assert whole.returncode == 0, whole.stderr[-3000:]
   root = tmp_path / "killed"
-  env = cpu_env(4, MAXTEXT_FAULT_INJECTION=f"kill_in_step:{KILL_STEP}")
-  killed = subprocess.run(_command(root), cwd=REPO_ROOT, env=env, capture_output=True, text=True, check=False)
+  killed = run(_command(root, *flags), env=cpu_env(4, MAXTEXT_FAULT_INJECTION=f"kill_in_step:{KILL_STEP}"))
   assert killed.returncode == -9, killed.stderr[-3000:]
-  resumed = subprocess.run(_command(root), cwd=REPO_ROOT, env=cpu_env(4), capture_output=True, text=True, check=False)
+  local_params = _local_params(root / "local" / "tiers" / "process_0-of-1" / "8")
+  assert local_params and all(k[-1] in ("lora_a", "lora_b") for k in local_params) == bool(flags), local_params
+  resumed = run(_command(root, *flags), env=cpu_env(4))
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert "Restored the checkpoint of step 8 from the local tier" in resumed.stdout + resumed.stderr
   losses, expected = _losses(root), _losses(reference)
   assert {s: losses[s] for s in range(KILL_STEP, STEPS)} == {s: expected[s] for s in range(KILL_STEP, STEPS)}
+
+
+def _local_params(step_dir) -> list[tuple]:
+  """The key paths under params of a local-tier step's saved state."""
+  from MaxText import checkpointing  # pylint: disable=import-outside-toplevel
+  from MaxText.layers import layer_names  # pylint: disable=import-outside-toplevel
+
+  tree = checkpointing.tree_metadata(step_dir / checkpointing.STATE_ITEM, "local tier")
+  return [keys for keys, _ in layer_names.flatten(tree["params"])]

@@ -360,3 +360,24 @@ def test_the_logged_size_is_the_model_and_its_adapters_whatever_the_base_is_held
   assert lora_training.model_size(setup.abstract_state.params) == (model + adapters, adapters)
   share = f"{adapters:,} trainable LoRA adapters ({100 * adapters / (model + adapters):.3f}%)"
   assert lora_training.describe_size(setup.abstract_state.params).endswith(share)
+
+
+def test_load_full_state_path_of_a_lora_run_continues_it_on_its_base(tmp_path):
+  """load_full_state_path of a LoRA run (adapters, their optimizer state, step) onto the same base continues it: with
+  every batch the same, the next step's loss is the run's own. A run without LoRA given it is told so in one line."""
+  data = tmp_path / "same.jsonl"
+  data.write_text("".join(json.dumps({"text": "the cat sat on the mat " * 8}) + "\n" for _ in range(64)), encoding="utf-8")
+  common = ["dataset_type=hf", "hf_path=json", f"hf_train_files={data}", "enable_data_shuffling=false", "packing=false"]
+  lora = ["enable_lora=true", "lora_rank=4"]
+  result, whole = run_train(tmp_path, "whole", "steps=5", "checkpoint_period=3", *lora, *common)
+  assert result.returncode == 0, result.stderr[-3000:]
+  items = tmp_path / "whole" / "checkpoints" / "3" / "items"
+  result, continued = run_train(tmp_path, "continued", "steps=5", f"load_full_state_path={items}", *lora, *common)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert [m["step"] for m in continued] == [4]
+  assert continued[0]["learning/loss"] == whole[4]["learning/loss"]
+  result, _ = run_train(tmp_path, "plain", "steps=5", f"load_full_state_path={items}", *common)
+  assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].endswith(
+    "holds a LoRA run's adapters and their optimizer state: set enable_lora=true (and its lora_* keys), with the base "
+    "model as load_parameters_path"
+  ), result.stderr[-2000:]
