@@ -220,6 +220,10 @@ def _dpo_data(values, sources):
   """use_dpo turns the default packing off: a pair's two rows must stay one row (input_pipeline/dpo.py)."""
   if not values["use_dpo"]:
     return
+  if values["use_sft"]:
+    raise ConfigError(
+      "use_sft=true and use_dpo=true are both set: SFT trains on chat samples, DPO on preference pairs; set one"
+    )
   if values["packing"] and config_loader.set_by_user(sources, "packing"):
     raise ConfigError("use_dpo=true needs packing=false (each row holds one preference pair): leave packing unset")
   _set(values, sources, "packing", False)

@@ -23,7 +23,8 @@ from MaxText.optimizers import create_learning_rate_schedule
 
 @struct.dataclass
 class StepExtras:
-  """The optional inputs of the loss, differentiated with the params; a field is None where the run does not use it.
+  """The optional inputs of the loss, differentiated with the params (but the reference); a field is None where the
+  run does not use it.
 
   Attributes:
     numerics: the numerics statistics taps' inputs (numerics_stats.Plan.step_inputs); their gradient holds the
@@ -136,9 +137,14 @@ def _microbatch_gradients(model, config, params, extras: StepExtras, batch, drop
   codes = {}
   if config.enable_lora and config.lora_weight_qtype:  # QLoRA's quantized kernels: frozen and not differentiable
     codes, params = lora_training.split_codes(params)
-  (loss, aux), (grads, extras_grads) = jax.value_and_grad(
-    lambda p, e: loss_of(lora_training.join(codes, p) if codes else p, extras=e), argnums=(0, 1), has_aux=True
-  )(params, extras)
+  reference = extras.reference  # DPO's: constant, and with QLoRA it holds codes, which grad refuses
+
+  def loss_of_both(p, e):
+    return loss_of(lora_training.join(codes, p) if codes else p, extras=e.replace(reference=reference))
+
+  (loss, aux), (grads, extras_grads) = jax.value_and_grad(loss_of_both, argnums=(0, 1), has_aux=True)(
+    params, extras.replace(reference=None)
+  )
   if codes:
     grads = lora_training.join(lora_training.zero_codes(codes), grads)
   reductions = None if extras.plan is None else extras.plan.reductions(aux.sown, extras_grads.numerics)

@@ -4,6 +4,7 @@ from MaxText.common_types import DATASET_TYPES
 from MaxText.config_keys import NON_NEGATIVE, POSITIVE, Key, On, Range
 
 _SFT = On("use_sft", True)
+_DPO = On("use_dpo", True)
 
 SECTIONS = {
   "Data": {
@@ -44,9 +45,11 @@ SECTIONS = {
     "train_data_columns": Key("The record's columns (upstream's list form of train_data_column; set one of the two)."),
     # DPO (dpo.py, input_pipeline/dpo.py)
     "use_dpo": Key("Train on preference pairs: train_data_columns [chosen, rejected] or [prompt, chosen, rejected]."),
-    "dpo_beta": Key("DPO's beta: the strength of the pull towards the reference model.", range=Range(0, low_open=True)),
+    "dpo_beta": Key(
+      "DPO's beta: the strength of the pull towards the reference model.", range=Range(0, low_open=True), acts_with=_DPO
+    ),
     "dpo_label_smoothing": Key(
-      "The share of pairs assumed mislabelled (TRL's sigmoid loss with label smoothing).", range=Range(0, 0.5)
+      "The share of pairs assumed mislabelled (conservative DPO, as TRL before 1.0).", range=Range(0, 0.5), acts_with=_DPO
     ),
     # tfds
     "dataset_path": Key("tfds: the data_dir holding prepared TFDS datasets (local or gs://); never downloads."),

@@ -5,6 +5,7 @@ from MaxText.config_keys import FRACTION, NON_NEGATIVE, POSITIVE, Key, On, Range
 
 _DECAY = Range(0, 1, high_open=True)
 _CHECKPOINTS = On("enable_checkpointing", True)
+_LORA = On("enable_lora", True)
 
 SECTIONS = {
   "Checkpointing": {
@@ -57,12 +58,17 @@ SECTIONS = {
   },
   "LoRA": {
     "enable_lora": Key("Train LoRA adapters on the layers lora_module_path selects; the rest stays frozen."),
-    "lora_rank": Key("The adapters' rank r.", range=POSITIVE),
-    "lora_alpha": Key("The adapters' output is scaled by lora_alpha / lora_rank.", range=Range(0, low_open=True)),
-    "lora_module_path": Key("A regex searched in the dense layers' names (decoder/layers/mlp/wo; '.' for '/' too)."),
+    "lora_rank": Key("The adapters' rank r.", range=POSITIVE, acts_with=_LORA),
+    "lora_alpha": Key(
+      "The adapters' output is scaled by lora_alpha / lora_rank.", range=Range(0, low_open=True), acts_with=_LORA
+    ),
+    "lora_module_path": Key(
+      "A regex searched in the dense layers' names (decoder/layers/mlp/wo; '.' for '/' too).", acts_with=_LORA
+    ),
     "lora_weight_qtype": Key(
       "QLoRA: the frozen base's dense kernels held as int8 or fp8 (per channel) or nf4 (blocks of 64); '': as is.",
       choices=("", "int8", "fp8", "nf4"),
+      acts_with=_LORA,
     ),
   },
 }

@@ -61,6 +61,7 @@ def test_the_switches_are_those_the_companion_warnings_named():
     "quantization=fp8": ["fp8_scaling", "fp8_amax_history_length"],
     "quantize_kvcache=true": ["kv_quant_axis", "kv_quant_dtype"],
     "use_sft=true": ["sft_train_on_completion_only"],
+    "use_dpo=true": ["dpo_beta", "dpo_label_smoothing"],
     "decoder_block=mixtral|qwen3_moe|deepseek": [
       "num_experts",
       "num_experts_per_tok",
@@ -70,6 +71,7 @@ def test_the_switches_are_those_the_companion_warnings_named():
     ],
     "enable_dropout=true": ["dropout_rate"],
     "enable_checkpointing=true": ["async_checkpointing", "checkpoint_period"],
+    "enable_lora=true": ["lora_rank", "lora_alpha", "lora_module_path", "lora_weight_qtype"],
     "quantization=intmp": ["quant_cfg_path"],
     "quantization=int8": ["quantization_local_shard_count"],
     "enable_jax_profiler=true": ["jax_profiler_port"],

@@ -80,6 +80,11 @@ def test_use_dpo_with_explicit_packing_is_a_config_error():
   assert not tiny_config("use_dpo=true").packing  # use_dpo turns the default packing off
 
 
+def test_use_dpo_with_use_sft_is_a_config_error():
+  with pytest.raises(ConfigError, match="use_sft=true and use_dpo=true are both set: .*; set one$"):
+    tiny_config("use_dpo=true", "use_sft=true")
+
+
 def _write_pairs(path, repeats=16):
   with open(path, "w", encoding="utf-8") as f:
     for _ in range(repeats):
@@ -339,3 +344,30 @@ def test_pairs_that_are_all_dropped_stop_the_run_with_one_line(tokenizer_dir):
   with pytest.raises(UserError, match=r"the last 1,000 train samples were all dropped: none has a loss token left"):
     for _ in range(sft.MAX_DROPPED_IN_A_ROW):
       decoder(PAIRS[0])
+
+
+@pytest.mark.parametrize("qtype", ["int8", "nf4"])  # integer codes, which grad refused (fp8's it took)
+def test_a_qlora_dpo_step_moves_the_adapters_only(qtype):
+  """DPO with QLoRA: the reference (the base, B zeroed) holds the quantized codes too, and is not differentiated."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  from MaxText import train_state, train_step  # pylint: disable=import-outside-toplevel
+  from MaxText.layers import layer_names  # pylint: disable=import-outside-toplevel
+  from MaxText.mesh import create_device_mesh  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.helpers import token_batch  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.lora_test import _nonzero_b  # pylint: disable=import-outside-toplevel
+
+  keys = ("use_dpo=true", "enable_lora=true", "lora_rank=4", f"lora_weight_qtype={qtype}", "warmup_steps_fraction=0")
+  config = tiny_config(*keys, "learning_rate=1e-2")
+  mesh = create_device_mesh(config)
+  setup = train_state.build(config, mesh)
+  state = train_state.init_train_state(setup.model, setup.tx, config, mesh, setup.state_shardings)
+  state = state.replace(params=_nonzero_b(state.params))  # the policy differs from the reference
+  pair = jnp.repeat(jnp.array([1, 2], jnp.int32), 16)[None].repeat(2, axis=0)  # chosen, then rejected, in each row
+  new_state, metrics = jax.jit(lambda s, b: train_step.train_step(setup.model, config, s, b))(
+    state, token_batch(segmentation=pair)
+  )
+  assert np.isfinite(float(metrics["learning/loss"])) and float(metrics["learning/total_weights"]) == 2
+  for (keys, old), new in zip(layer_names.flatten(state.params), jax.tree.leaves(new_state.params)):
+    assert (not np.array_equal(np.asarray(old), np.asarray(new))) == (keys[-1] in ("lora_a", "lora_b")), keys
