@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import numpy as np
 import yaml
@@ -61,9 +62,12 @@ def abstract_param_shapes(config) -> dict:
   return {tuple(str(k.key) for k in path): leaf.shape for path, leaf in flat}
 
 
+_SOURCE_LINE = re.compile(r"# Converted from (.+) by MaxText/convert_checkpoint\.py\. Use it as the config file:$")
+
+
 def _write_model_yml(out_dir: str, keys: dict, hf_path: str) -> str:
   path = os.path.join(out_dir, MODEL_YML)
-  header = (
+  header = (  # its first line is _SOURCE_LINE, which to_hf reads back
     f"# Converted from {os.path.abspath(hf_path)} by MaxText/convert_checkpoint.py. Use it as the config file:\n"
     f"#   python3 MaxText/train.py {path} run_name=ft load_parameters_path={os.path.join(out_dir, PARAMS_DIR)}\n"
   )
@@ -211,6 +215,21 @@ def load_maxtext_dir(path: str):
   )
 
 
+def _hf_source(config, maxtext_dir: str) -> str | None:
+  """The HF directory that to_maxtext converted the base from, as its model.yml records it (that of maxtext_dir, or
+  the one next to a run's load_parameters_path); None when no such record is found."""
+  candidates = [os.path.join(maxtext_dir, MODEL_YML)]
+  if getattr(config, "load_parameters_path", ""):
+    candidates.append(os.path.join(os.path.dirname(os.path.normpath(config.load_parameters_path)), MODEL_YML))
+  for path in candidates:
+    if os.path.isfile(path):
+      with open(path, encoding="utf-8") as f:
+        match = _SOURCE_LINE.match(f.readline())
+      if match:
+        return match.group(1)
+  return None
+
+
 def _tokenizer_dir(config, maxtext_dir: str) -> str:
   """Where the tokenizer files (and hf_config.json) of a converted model are: next to its tokenizer_path."""
   path = getattr(config, "tokenizer_path", "")
@@ -234,7 +253,7 @@ def to_hf(maxtext_dir: str, output_dir: str, merge_lora: bool = False) -> str:
   reader = maxtext_io.ParamsReader(params_dir)
   stores = reader.params()
   if peft.adapted_modules(stores) and not merge_lora:
-    return peft.write_peft(config, family, stores, output_dir)
+    return peft.write_peft(config, family, stores, output_dir, _hf_source(config, maxtext_dir))
   if merge_lora:
     if not peft.adapted_modules(stores) or not getattr(config, "load_parameters_path", ""):
       raise UserError(f"--merge_lora needs a LoRA run's directory started from load_parameters_path; {maxtext_dir} is not")

@@ -15,6 +15,7 @@ import types
 
 import numpy as np
 
+from MaxText import max_logging
 from MaxText.errors import UserError
 from MaxText.hf_conversion import hf_io, maxtext_io
 from MaxText.layers import lora
@@ -50,8 +51,9 @@ def _table_param(family, module: tuple):
   return param
 
 
-def write_peft(config, family, stores: dict, output_dir: str) -> str:
-  """adapter_config.json and adapter_model.safetensors of the adapters in `stores` (key path -> TensorStore)."""
+def write_peft(config, family, stores: dict, output_dir: str, base_model: str | None = None) -> str:
+  """adapter_config.json and adapter_model.safetensors of the adapters in `stores` (key path -> TensorStore);
+  base_model: the HF base's directory, when known (base_model_name_or_path)."""
   tensors, targets = {}, set()
   for module in adapted_modules(stores):
     param = _table_param(family, module)
@@ -80,7 +82,7 @@ def write_peft(config, family, stores: dict, output_dir: str) -> str:
     "fan_in_fan_out": False,
     "use_rslora": False,
     "init_lora_weights": True,
-    "base_model_name_or_path": None,
+    "base_model_name_or_path": base_model,
   }
   with open(os.path.join(output_dir, ADAPTER_CONFIG), "w", encoding="utf-8") as f:
     json.dump(adapter_config, f, indent=2)
@@ -125,6 +127,27 @@ def _in_dims(op: str) -> int:
   return 2 if op == "heads_out" else 1  # heads_out's kernel is (N, D, E); the others' input is one dim
 
 
+_MERGE = "merge it into its base with PEFT's merge_and_unload(), save that and convert it without --peft_adapter"
+# adapter_config.json fields of PEFT features beyond out = x W + (alpha / r) x A B on the decoder layers' projections:
+# set (not None, False or empty), the adapter would convert without them, so it is refused.
+_UNSUPPORTED_FIELDS = (
+  "trainable_token_indices",
+  "lora_bias",
+  "layer_replication",
+  "target_parameters",
+  "alora_invocation_tokens",
+  "use_qalora",
+  "use_bdlora",
+  "kasa_config",
+  "monteclora_config",
+  "arrow_config",
+)
+
+
+def _cannot(adapter_dir: str, what: str) -> UserError:
+  return UserError(f"--peft_adapter {adapter_dir} {what}, which MaxText's LoRA cannot represent; {_MERGE}")
+
+
 def read_adapter_config(adapter_dir: str) -> dict:
   path = os.path.join(adapter_dir, ADAPTER_CONFIG)
   if not os.path.isfile(path):
@@ -133,27 +156,58 @@ def read_adapter_config(adapter_dir: str) -> dict:
     adapter_config = json.load(f)
   if adapter_config.get("peft_type") != "LORA" or adapter_config.get("use_rslora") or adapter_config.get("use_dora"):
     raise UserError(f"{path}: only plain LoRA adapters are read (peft_type LORA, without rslora or DoRA)")
+  if adapter_config.get("modules_to_save"):
+    raise _cannot(adapter_dir, f"holds trained copies of modules_to_save {adapter_config['modules_to_save']}")
+  if adapter_config.get("bias", "none") != "none":
+    raise _cannot(adapter_dir, f"holds trained biases (bias {adapter_config['bias']!r})")
+  for field in _UNSUPPORTED_FIELDS:
+    if adapter_config.get(field):
+      raise _cannot(adapter_dir, f"holds {field} {adapter_config[field]}")
+  # One rank and alpha for every module: a pattern that sets another one is a model we cannot hold.
+  for field, default in (("alpha_pattern", adapter_config.get("lora_alpha")), ("rank_pattern", adapter_config.get("r"))):
+    pattern = adapter_config.get(field) or {}
+    if any(value != default for value in pattern.values()):
+      raise _cannot(adapter_dir, f"holds {field} {pattern} (per-module alpha or rank)")
+  if adapter_config.get("lora_dropout"):  # acts in training only: the adapter's model is the same without it
+    max_logging.warn(f"lora_dropout {adapter_config['lora_dropout']} is not applied (MaxText's LoRA has no dropout)")
   return adapter_config
+
+
+def _check_all_read(adapter_dir: str, names: set, read: set) -> None:
+  """Every tensor of the adapter is read: one the conversion does not know would otherwise be dropped silently."""
+  unread = sorted(names - read)
+  for name in unread:  # a module's adapter that MaxText has no place for (embeddings, lm_head, experts...)
+    match = re.fullmatch(r"base_model\.model\.(.+)\.(lora_embedding_A|lora_embedding_B|lora_A\.weight|lora_B\.weight)", name)
+    if match:
+      kind = "lora_embedding_A/B" if "embedding" in match.group(2) else "lora_A/B"
+      raise _cannot(adapter_dir, f"adapts {match.group(1)} ({kind})")
+  if unread:
+    more = f" and {len(unread) - 3} more" if len(unread) > 3 else ""
+    raise UserError(
+      f"--peft_adapter {adapter_dir} holds {', '.join(unread[:3])}{more}, which the conversion does not read; {_MERGE}"
+    )
 
 
 def lora_keys(family, adapter_dir: str, num_layers: int) -> dict:
   """The config keys of the adapter: enable_lora, lora_rank, lora_alpha, and lora_module_path naming exactly the
-  modules it adapts (every layer's; an adapter of some layers only is refused)."""
+  modules it adapts (every layer's; an adapter of some layers only is refused). Every tensor of the adapter must be
+  one that write_adapter reads (anything else is refused, not dropped)."""
   adapter_config = read_adapter_config(adapter_dir)
   if family.layers_per_block != 1:
     raise UserError(f"--peft_adapter for {family.name} (layers stacked in blocks) is not supported yet")
   names = set(hf_io.SafetensorsFile(os.path.join(adapter_dir, ADAPTER_WEIGHTS)).keys())
-  modules = []
+  modules, read = [], set()
   for param in family.layer_params:
     if param.experts or not param.maxtext.endswith("/kernel"):
       continue
-    present = [
-      f"base_model.model.{param.hf.format(i=i).removesuffix('.weight')}.lora_A.weight" in names for i in range(num_layers)
-    ]
+    prefixes = [f"base_model.model.{param.hf.format(i=i).removesuffix('.weight')}" for i in range(num_layers)]
+    present = [f"{prefix}.lora_A.weight" in names for prefix in prefixes]
     if any(present) and not all(present):
       raise UserError(f"--peft_adapter {adapter_dir} adapts {param.hf} in some layers only; MaxText adapts all or none")
     if all(present):
       modules.append(param.maxtext.removesuffix("/kernel"))
+      read.update(f"{prefix}.lora_{ab}.weight" for prefix in prefixes for ab in "AB")
+  _check_all_read(adapter_dir, names, read)
   if not modules:
     raise UserError(f"--peft_adapter {adapter_dir} adapts none of the {family.name} layers' projections")
   rank = int(adapter_config["r"])

@@ -190,6 +190,8 @@ def test_lora_round_trip_peft_and_merged_export_give_our_logits(tmp_path):
 
   convert_checkpoint.main(["c", "to_hf", "--maxtext_dir", run_dir, "--output_dir", str(tmp_path / "peft")])
   convert_checkpoint.main(["c", "to_hf", "--maxtext_dir", run_dir, "--output_dir", str(tmp_path / "merged"), "--merge_lora"])
+  with open(tmp_path / "peft" / "adapter_config.json", encoding="utf-8") as f:
+    assert json.load(f)["base_model_name_or_path"] == hf_dir  # the HF source of the run's load_parameters_path
 
   tokens = logit_check.random_tokens(320, length=24)
   ours = _lora_logits(run_dir, base_params, model_yml, tokens)
