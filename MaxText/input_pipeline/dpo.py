@@ -17,7 +17,7 @@ import json
 import numpy as np
 
 from MaxText.errors import UserError
-from MaxText.input_pipeline.sft import SftDecoder, _text, _Where, data_columns
+from MaxText.input_pipeline.sft import SftDecoder, _text, _Where, check_rendered, data_columns
 from MaxText.tokenizer import build_tokenizer
 
 
@@ -84,6 +84,7 @@ class DpoDecoder(SftDecoder):
     assistant = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
     spans = [span for i, span in zip(assistant, spans) if i in turns]
     encoding = self.renderer()._tok.encode(text, add_special_tokens=False)  # pylint: disable=protected-access
+    check_rendered(encoding.ids, where)
     mask = [int(any(start <= begin < end for start, end in spans)) for begin, _ in encoding.offsets]
     return encoding.ids, mask
 

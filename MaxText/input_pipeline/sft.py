@@ -71,6 +71,13 @@ def _text(value):
   return bytes(value).decode("utf-8", errors="replace") if isinstance(value, (bytes, np.bytes_)) else value
 
 
+def check_rendered(ids: list, where) -> None:
+  """A conversation the chat template renders as nothing is an error, not a dropped sample: it is the template's
+  fault (e.g. an undefined variable renders empty), and dropping would end in a line blaming the samples' length."""
+  if len(ids) == 0:
+    raise UserError(f"the chat template renders {where} as no text; check chat_template (an undefined variable?)")
+
+
 class SftDecoder:
   """Callable record -> {"inputs", "targets", "loss_mask"} (int32; empty arrays for a dropped sample)."""
 
@@ -125,18 +132,23 @@ class SftDecoder:
     """The sample's token ids and 1 where a token is one the loss covers (assistant turns, or the completion)."""
     values = self._columns(record)
     if len(values) == 1:
-      return self.renderer().encode_with_mask(self._messages(values[0], where), where)
+      return self._render(self._messages(values[0], where), where)
     prompt, completion = (_text(v) for v in values)
     for column, value in zip(self.columns, (prompt, completion)):
       if not isinstance(value, str):
         raise UserError(f"{where}: column '{column}' holds {value!r}, not text")
     if self.use_chat_template:
       messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
-      return self.renderer().encode_with_mask(messages, where)
+      return self._render(messages, where)
     path, add_bos, add_eos = self._tokenizer_args
     prompt_ids = build_tokenizer(path, add_bos, False).encode(prompt)  # BOS before the prompt, EOS after the completion
     completion_ids = build_tokenizer(path, False, add_eos).encode(completion)
     return prompt_ids + completion_ids, [0] * len(prompt_ids) + [1] * len(completion_ids)
+
+  def _render(self, messages, where) -> tuple[list[int], list[int]]:
+    ids, mask = self.renderer().encode_with_mask(messages, where)
+    check_rendered(ids, where)
+    return ids, mask
 
   def __call__(self, record) -> dict:
     self.counts["read"] += 1
@@ -146,7 +158,8 @@ class SftDecoder:
       ids, mask = ids[: self.max_tokens], mask[: self.max_tokens]
       self._count("truncated")
     ids, mask = np.asarray(ids, np.int32), np.asarray(mask, np.int32)
-    loss_mask = mask[1:] if self.completion_only else np.ones(len(ids) - 1, np.int32)
+    # No tokens at all (empty prompt and completion without a template): dropped below, like a sample without loss.
+    loss_mask = mask[1:] if self.completion_only else np.ones(max(len(ids) - 1, 0), np.int32)
     if len(ids) < 2 or not loss_mask.any():
       self._drop(self.row_length)
       ids, loss_mask = np.zeros(1, np.int32), np.zeros(0, np.int32)
