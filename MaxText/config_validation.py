@@ -283,8 +283,9 @@ def _check_diagnostics(v):
       )
 
 
-def validate_static(values: dict) -> None:
-  """Raises ConfigError for the first invalid value. Needs no devices and no JAX."""
+def validate_static(values: dict, reads_data: bool = True) -> None:
+  """Raises ConfigError for the first invalid value (of the data keys only when the entry point reads_data). Needs no
+  devices and no JAX."""
   _check_upstream_defaults(values)
   _check_choices(values)
   _check_ranges(values)
@@ -295,7 +296,8 @@ def validate_static(values: dict) -> None:
   _check_mesh(values)
   _check_paths(values)
   _check_emergency_checkpoint(values)
-  _check_data(values)
+  if reads_data:
+    _check_data(values)
   _check_decoding(values)
   _check_serving_checkpoint(values)
   _check_diagnostics(values)

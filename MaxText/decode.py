@@ -46,22 +46,25 @@ def _tokenizer(config):
   return tokenizer
 
 
-def _prompt_ids(config, tokenizer) -> list[int]:
-  """The prompt's tokens; with use_chat_template, as a user turn and the generation prompt (the template adds BOS)."""
+def _prompt_ids(config, tokenizer) -> tuple[list[int], list[int]]:
+  """The prompt's tokens, and the end tokens besides the tokenizer's. With use_chat_template the prompt is a user
+  turn and the generation prompt (the template adds BOS), and the completion also ends at the template's end of turn
+  (<|im_end|> is no EOS in a ChatML tokenizer)."""
   if not config.use_chat_template:
-    return tokenizer.encode(config.prompt)
+    return tokenizer.encode(config.prompt), []
   from MaxText.input_pipeline.chat_template import ChatRenderer  # pylint: disable=import-outside-toplevel
 
   path = pyconfig.resolve_asset_path(config.tokenizer_path, config.config_path) or config.tokenizer_path
-  return ChatRenderer(path, config.chat_template).encode_prompt(config.prompt)
+  renderer = ChatRenderer(path, config.chat_template)
+  return renderer.encode_prompt(config.prompt), renderer.end_of_turn_ids()
 
 
 def main(argv: list[str]) -> list[str]:
   """Decodes as the config says; returns the completion of each row."""
-  config = pyconfig.initialize(argv)
+  config = pyconfig.initialize(argv, reads_data=False)
   _check_config(config)
   tokenizer = _tokenizer(config)
-  prompt_ids = _prompt_ids(config, tokenizer)
+  prompt_ids, end_of_turn = _prompt_ids(config, tokenizer)
   # pylint: disable=import-outside-toplevel
   from MaxText import decoding, jax_runtime, max_logging
   from MaxText.mesh import create_device_mesh
@@ -76,7 +79,7 @@ def main(argv: list[str]) -> list[str]:
     from MaxText import serving_checkpoint  # pylint: disable=import-outside-toplevel
 
     serving_checkpoint.save(config, params, config.save_quantized_params_path)
-  end_ids = decoding.end_token_ids(tokenizer)
+  end_ids = tuple(sorted({*decoding.end_token_ids(tokenizer), *end_of_turn}))
   result = decoding.generate(config, model, params, mesh, prompt_ids, end_ids, valid_vocab=tokenizer.vocab_size)
   completions = [tokenizer.decode(decoding.completion(row, end_ids)) for row in result.tokens]
   for text in completions:

@@ -74,6 +74,7 @@ def load_params(config, model, abstract_params, mesh):
     return serving_checkpoint.load(config, abstract_params)
   if lora_training.split(abstract_params)[1]:
     return _lora_params(config, model, abstract_params, mesh)
+  _warn_if_the_run_has_adapters(config)
   for key in ("load_parameters_path", "load_full_state_path"):
     path = getattr(config, key)
     if path:
@@ -87,6 +88,18 @@ def load_params(config, model, abstract_params, mesh):
     "so the output is random"
   )
   return random_params(config, model, abstract_params, mesh)
+
+
+def _warn_if_the_run_has_adapters(config) -> None:
+  """A LoRA run's checkpoint named by run_name, decoded without enable_lora, would be its base alone (or not fit)."""
+  path = latest_run_checkpoint(config)
+  if path is None or not (config.load_parameters_path or config.load_full_state_path):
+    return
+  if lora_training.split(checkpointing.tree_metadata(path, "the run's latest checkpoint")["params"])[1]:
+    max_logging.warn(
+      f"run {config.run_name}'s latest checkpoint holds LoRA adapters, which this decode leaves out (the base alone): "
+      "set enable_lora=true with the run's lora_* keys (its config.yml) to decode with them"
+    )
 
 
 def _lora_params(config, model, abstract_params, mesh):

@@ -45,7 +45,7 @@ def generate(argv, memory_limit_bytes: int | None = None) -> str:
     argv: the command line (program name, config file, key=value ...).
     memory_limit_bytes: one device's memory, that the float32 params must fit; default: what a local device has.
   """
-  config = pyconfig.initialize(argv, required_keys=("run_name",))
+  config = pyconfig.initialize(argv, required_keys=("run_name",), reads_data=False)
   source = config.load_full_state_path or config.load_parameters_path
   if not source:
     raise UserError(
@@ -68,7 +68,12 @@ def generate(argv, memory_limit_bytes: int | None = None) -> str:
   scanned_out = config.scan_layers and not config.force_unroll
   # Read with the source's layout, in float32 so that a cast happens once, at the end.
   read_config = pyconfig.initialize(
-    argv, scan_layers=scanned_in, weight_dtype="float32", load_parameters_path="", load_full_state_path=""
+    argv,
+    reads_data=False,
+    scan_layers=scanned_in,
+    weight_dtype="float32",
+    load_parameters_path="",
+    load_full_state_path="",
   )
   device_mesh = mesh.create_device_mesh(read_config)
   params = checkpointing.load_params(source, _abstract_params(read_config, device_mesh, memory_limit_bytes))

@@ -140,7 +140,7 @@ def run(config) -> dict:
 
 
 def main(argv: list[str]) -> None:
-  config = pyconfig.initialize(argv)
+  config = pyconfig.initialize(argv, reads_data=False)
   from MaxText import max_logging  # pylint: disable=import-outside-toplevel
 
   if "insert" in parse_keys(config)[1]:

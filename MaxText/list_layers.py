@@ -43,7 +43,7 @@ def layer_lines(config, params) -> list[str]:
 
 
 def main(argv: list[str]) -> None:
-  config = pyconfig.initialize(argv)
+  config = pyconfig.initialize(argv, reads_data=False)
   # pylint: disable=import-outside-toplevel
   from MaxText import train_state
   from MaxText.mesh import create_device_mesh

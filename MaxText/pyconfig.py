@@ -446,20 +446,26 @@ def exit_with_help_if_asked(argv: list[str]) -> None:
 _REQUIRED_HINTS = {"run_name": "name the run, e.g. run_name=demo (outputs go to base_output_directory/run_name)"}
 
 
-def load_static(argv: list[str], environ, **kwargs) -> tuple[dict, dict]:
+def load_static(argv: list[str], environ, reads_data: bool = True, **kwargs) -> tuple[dict, dict]:
   """(values, sources) of a command line, validated and with what needs no devices derived; JAX is not imported.
 
   The first half of initialize, for tools that check a config before they start a process that uses it.
   """
   values, sources = config_loader.load_raw_config(argv, environ, kwargs)
   _default_axes_within_mesh_axes(values, sources)
-  config_validation.validate_static(values)
+  config_validation.validate_static(values, reads_data)
   _derive_static(values, sources, environ)
   return values, sources
 
 
 def initialize(
-  argv: list[str], environ=None, required_keys: tuple[str, ...] = (), devices=None, for_compile_topology=False, **kwargs
+  argv: list[str],
+  environ=None,
+  required_keys: tuple[str, ...] = (),
+  devices=None,
+  for_compile_topology=False,
+  reads_data=True,
+  **kwargs,
 ) -> Config:
   """Loads, validates and derives the config.
 
@@ -469,11 +475,13 @@ def initialize(
     required_keys: keys that must not be empty for this entry point (e.g. run_name for training).
     devices: the devices the config is for (e.g. those of an AOT topology); default jax.devices().
     for_compile_topology: the config is for the devices of compile_topology (train_compile.py), not the local ones.
+    reads_data: whether the entry point reads the training data: decode.py and other tools that do not are not held
+      to the data keys (a run's config, e.g. configs/sft.yml with hf_train_files left to the command line, decodes).
     **kwargs: typed overrides that win over the command line (for tests).
   """
   exit_with_help_if_asked(argv)
   environ = os.environ if environ is None else environ
-  values, sources = load_static(argv, environ, **kwargs)
+  values, sources = load_static(argv, environ, reads_data, **kwargs)
   for key in required_keys:
     if not values[key]:
       raise ConfigError(f"{key} is empty: {_REQUIRED_HINTS.get(key, 'set it on the command line')}")

@@ -134,6 +134,16 @@ class ChatRenderer:
     """A prompt as a user turn followed by the generation prompt (decode.py use_chat_template=true)."""
     return self.encode(self.render([{"role": "user", "content": prompt}], add_generation_prompt=True, where="the prompt"))
 
+  def end_of_turn_ids(self) -> list[int]:
+    """The special tokens the template writes right after an assistant turn's content (ChatML's <|im_end|>, Llama
+    3's <|eot_id|>, Gemma's <end_of_turn>, Llama 2's </s>): where a chat completion ends. [] when it writes none."""
+    content = "x"
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": content}]
+    text, [(start, end)] = self.assistant_spans(messages, "a one-turn conversation")
+    tail = text[text.index(content, start) + len(content) : end]
+    special = {i for i, token in self._tok.get_added_tokens_decoder().items() if token.special}
+    return [i for i in self.encode(tail) if i in special]
+
   def assistant_spans(self, messages, where: str = "") -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans of its assistant turns (see the module docstring)."""
     text = self.render(messages, where=where)

@@ -88,6 +88,8 @@ class GlobalBatchIterator:
     self._consumed_state = None
     self._closed = threading.Event()
     self._restored = False
+    self._padding = None  # the all-padding batch handed out once the local data is used up (the same object)
+    self._handed_out = 0  # batches of data handed out
 
   def _to_global(self, local_batch: dict) -> dict:
     def make(local):
@@ -107,18 +109,14 @@ class GlobalBatchIterator:
     return False
 
   def _produce(self):
-    produced = 0
     try:
       for local_batch in self._local:
-        produced += 1
         # A copy: the local iterator may keep changing the same state object as it reads ahead.
         if not self._put((self._to_global(local_batch), copy.deepcopy(self._local.get_state()))):
           return
-      max_logging.log(
-        f"Process {jax.process_index()}: the {self._name} data is used up after {produced} batches", every_process=True
-      )
       state = self._local.get_state()
       padding = self._to_global({k: np.zeros((len(self._rows), self._global_shape[1]), np.int32) for k in BATCH_KEYS})
+      self._padding = padding  # the consumer says the data is used up when it reaches it, not this read-ahead
       while self._put((padding, state)):
         pass
     except Exception as e:  # pylint: disable=broad-except  # re-raised in the consumer's thread
@@ -140,6 +138,14 @@ class GlobalBatchIterator:
     # raises while the others wait in a collective).
     if first and not self._restored and not bool(_has_real_token(batch["targets_segmentation"])):
       raise UserError(f"the {self._name} data yields no tokens (empty dataset, or only empty documents?)")
+    if batch is not self._padding:
+      self._handed_out += 1
+    elif self._handed_out >= 0:  # the first padding batch: the local data ended here (said once)
+      max_logging.log(
+        f"Process {jax.process_index()}: the {self._name} data is used up after {self._handed_out} batches",
+        every_process=True,
+      )
+      self._handed_out = -1
     self._consumed_state = state
     return batch
 

@@ -147,7 +147,7 @@ def _lora_logits(run_dir: str, base_params: str, model_yml: str, tokens: np.ndar
 LORA_MODULES = "decoder/layers/(self_attention/(query|key|value|out)|mlp/(wi_0|wi_1|wo))"
 
 
-def test_lora_round_trip_peft_and_merged_export_give_our_logits(tmp_path):
+def test_lora_round_trip_peft_and_merged_export_give_our_logits(tmp_path, capsys):
   """A converted tiny HF llama, 3 LoRA steps (attention and MLP), resumed for a 4th; the PEFT export on the HF base
   and the merged export both give our LoRA model's logits."""
   import peft  # pylint: disable=import-outside-toplevel  # requirements-test.txt
@@ -208,6 +208,12 @@ def test_lora_round_trip_peft_and_merged_export_give_our_logits(tmp_path):
 
   # decode.py's params: the run's adapters (its latest checkpoint) joined onto load_parameters_path's base.
   np.testing.assert_allclose(_decoding_logits(tmp_path, base_params, model_yml, tokens), ours, atol=1e-5)
+  # Without enable_lora decode would leave the run's adapters out: it says so.
+  from MaxText import decoding  # pylint: disable=import-outside-toplevel
+
+  run_keys = dict(run_name="lora", base_output_directory=str(tmp_path), load_parameters_path=base_params)
+  decoding._warn_if_the_run_has_adapters(converter.maxtext_config(model_yml, **run_keys))  # pylint: disable=protected-access
+  assert "run lora's latest checkpoint holds LoRA adapters, which this decode leaves out" in capsys.readouterr().err
 
 
 def _decoding_logits(tmp_path, base_params: str, model_yml: str, tokens: np.ndarray) -> np.ndarray:

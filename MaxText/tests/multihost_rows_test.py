@@ -10,6 +10,7 @@ assembled from them is compared with the batch one process holding every device 
 import functools
 import importlib.util
 import math
+import time
 
 import numpy as np
 import pytest
@@ -126,3 +127,35 @@ def test_global_batch_from_every_process_equals_the_one_process_batch(name, flag
   resumed, _ = local_batcher(config, mesh, True, num_rows, processes=range(num_processes))
   resumed.set_state(merge_process_states(states[0], states))
   np.testing.assert_array_equal(next(resumed)["inputs"], next(one)["inputs"])
+
+
+def test_the_data_is_said_used_up_when_the_consumer_reaches_its_end_not_the_read_ahead(capsys):
+  """The prefetch thread reads ahead: an eval of eval_steps=1 over 3 batches must not say they were all used."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=import-outside-toplevel
+
+  from MaxText.input_pipeline.multihost_dataloading import GlobalBatchIterator  # pylint: disable=import-outside-toplevel
+  from MaxText.input_pipeline.packing import BATCH_KEYS  # pylint: disable=import-outside-toplevel
+
+  class ThreeBatches:
+    def __init__(self):
+      self.read = 0
+
+    def __iter__(self):
+      for self.read in range(1, 4):
+        yield {k: np.ones((2, 4), np.int32) for k in BATCH_KEYS}
+
+    def get_state(self):
+      return {"read": self.read}
+
+  sharding_ = NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",)), PartitionSpec("data"))
+  batches = GlobalBatchIterator(ThreeBatches(), sharding_, (2, 4), [0, 1], "eval", prefetch=4)
+  next(batches)
+  deadline = time.monotonic() + 60
+  while batches._padding is None and time.monotonic() < deadline:  # pylint: disable=protected-access
+    time.sleep(0.01)  # until the read-ahead has reached the end of the data
+  assert batches._padding is not None and "used up" not in capsys.readouterr().out  # pylint: disable=protected-access
+  for _ in range(4):
+    next(batches)
+  batches.close()
+  assert capsys.readouterr().out.count("Process 0: the eval data is used up after 3 batches") == 1

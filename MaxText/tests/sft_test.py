@@ -348,17 +348,20 @@ def test_grain_array_record_of_json_chat_records(tokenizers_dir, tmp_path):
   assert batch["targets"][0][loss].tolist() == answers[: int(loss.sum())] and loss.sum() > 0
 
 
-def test_decode_formats_the_prompt_as_a_user_turn(tokenizers_dir):
+@pytest.mark.parametrize("template", [CHATML, LLAMA3_LIKE], ids=["chatml", "llama3"])
+def test_decode_formats_the_prompt_as_a_user_turn_and_ends_at_the_end_of_turn(tokenizers_dir, template):
   from MaxText import decode  # pylint: disable=import-outside-toplevel
 
-  path = tokenizers_dir[CHATML]
+  path = tokenizers_dir[template]
   config = types.SimpleNamespace(
     use_chat_template=True, tokenizer_path=path, config_path="", chat_template="", prompt="what is two plus two"
   )
   hf = transformers.AutoTokenizer.from_pretrained(path)
   messages = [{"role": "user", "content": "what is two plus two"}]
   expected = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)["input_ids"]
-  assert decode._prompt_ids(config, None) == expected  # pylint: disable=protected-access
+  prompt, end_of_turn = decode._prompt_ids(config, None)  # pylint: disable=protected-access
+  assert prompt == expected
+  assert end_of_turn == [hf.convert_tokens_to_ids(END_OF_TURN[template])]  # not the tokenizer's EOS (</s>)
 
 
 def test_sft_yml_is_a_starting_point():
@@ -370,3 +373,4 @@ def test_sft_yml_is_a_starting_point():
     pyconfig.initialize(argv, environ={})
   config = pyconfig.initialize([*argv, "hf_train_files=/data/chat/*.jsonl"], environ={})
   assert config.use_sft and config.sft_train_on_completion_only and config.train_data_columns == ["messages"]
+  assert pyconfig.initialize(argv, environ={}, reads_data=False).use_chat_template  # decode.py reads no data
