@@ -412,14 +412,20 @@ def load_params(path: str, abstract_params, scan_axis: int = 1, key: str = "load
   tree = tree_metadata(path, key)
   saved_layout = params_layout.saved_layout(tree["params"], abstract_params, scan_axis)
   check_checkpoint_fits(tree["params"], saved_layout, path)
-  target = {"params": saved_layout}
+  restored = restore_params(path, saved_layout)
+  max_logging.log(f"Loaded parameters from {path}")
+  return params_layout.to_run_layout(restored, abstract_params, scan_axis)
+
+
+def restore_params(path: str, target_params):
+  """The params that target_params (abstract arrays in the checkpoint's layout: all of its params or some) names."""
+  target = {"params": target_params}
   restore_args = ocp.checkpoint_utils.construct_restore_args(target)
   with _quiet_item_read():
     restored = ocp.PyTreeCheckpointer().restore(
       path, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
     )
-  max_logging.log(f"Loaded parameters from {path}")
-  return params_layout.to_run_layout(restored["params"], abstract_params, scan_axis)
+  return restored["params"]
 
 
 def restore_data_position(config, data_iterator, data_state) -> None:

@@ -6,10 +6,9 @@ load_parameters_path (a fresh state with those params; with LoRA the base, and t
 holds some); a fresh init. checkpointing.py reads and checks each.
 """
 
-import jax
 import orbax.checkpoint as ocp
 
-from MaxText import checkpointing, lora_training, max_logging, single_replica_restore
+from MaxText import checkpointing, lora_training, max_logging, qlora_loading, single_replica_restore
 from MaxText.errors import UserError
 from MaxText.layers import qlora
 
@@ -46,27 +45,17 @@ def load_full_state(path: str, abstract_state):
 def load_parameters(config, abstract_params) -> tuple[dict, dict]:
   """load_parameters_path's params as (base, adapters). The adapters are {} unless the run has LoRA on and the
   checkpoint holds some (a PEFT adapter read in by convert_checkpoint.py to_maxtext --peft_adapter)."""
-  tree = checkpointing.tree_metadata(config.load_parameters_path, "load_parameters_path")
-  held = abstract_params
-  if config.enable_lora and config.lora_weight_qtype:  # QLoRA: the checkpoint's float kernels, quantized below
-    abstract_params = qlora.float_layout(held, config.weight_dtype)
-  base, adapters = lora_training.split(abstract_params)
-  if adapters and lora_training.split(tree["params"])[1]:
-    loaded = checkpointing.load_params(config.load_parameters_path, abstract_params, config.param_scan_axis)
+  path = config.load_parameters_path
+  tree = checkpointing.tree_metadata(path, "load_parameters_path")
+  quantized = config.enable_lora and config.lora_weight_qtype  # QLoRA: the checkpoint's float kernels, quantized
+  wanted = qlora.float_layout(abstract_params, config.weight_dtype) if quantized else abstract_params
+  if not lora_training.split(tree["params"])[1]:
+    wanted = lora_training.split(wanted)[0]  # the adapters start afresh
+  if quantized:
+    loaded = qlora_loading.load(path, tree, wanted, abstract_params, config.param_scan_axis)
   else:
-    loaded = checkpointing.load_params(config.load_parameters_path, base, config.param_scan_axis)
-  if held is not abstract_params:
-    loaded = _quantized(loaded, held)
-  base, adapters = lora_training.split(loaded)
-  return base, adapters
-
-
-def _quantized(float_params, abstract_params):
-  """QLoRA's base quantized on the devices, each kernel's codes and scale sharded as the run holds them (the float
-  params are donated: the float base is held whole only while it is quantized)."""
-  held = lora_training.split(abstract_params)[0] if not lora_training.split(float_params)[1] else abstract_params
-  shardings = jax.tree.map(lambda a: a.sharding, held)
-  return jax.jit(lambda p: qlora.quantize_params(p, held), out_shardings=shardings, donate_argnums=0)(float_params)
+    loaded = checkpointing.load_params(path, wanted, config.param_scan_axis)
+  return lora_training.split(loaded)
 
 
 def _base_params(config, abstract_state, init_fn):

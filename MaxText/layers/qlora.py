@@ -181,7 +181,7 @@ def declare(module, qtype: str, init, shape: tuple, in_axes: tuple, axis_names: 
   return jax.lax.stop_gradient(dequantize(codes, scale, qtype, dtype))
 
 
-def _qtype_of(codes) -> str:
+def qtype_of(codes) -> str:
   return next(q for q, d in _CODE_DTYPES.items() if codes.dtype == d)
 
 
@@ -193,7 +193,7 @@ def float_layout(abstract_params, weight_dtype):
     if isinstance(value, dict):
       out[key] = float_layout(value, weight_dtype)
     elif key == "kernel" and is_code(value):
-      shape = float_shape(value.shape, abstract_params["kernel_scale"].shape, _qtype_of(value))
+      shape = float_shape(value.shape, abstract_params["kernel_scale"].shape, qtype_of(value))
       out[key] = jax.ShapeDtypeStruct(shape, weight_dtype, sharding=getattr(value, "sharding", None))
     elif key != "kernel_scale":
       out[key] = value
@@ -208,7 +208,7 @@ def quantize_params(float_params, abstract_params):
       out[key] = quantize_params(float_params[key], value)
     elif key == "kernel" and is_code(value):
       out["kernel"], out["kernel_scale"] = quantize(
-        float_params[key], _qtype_of(value), abstract_params["kernel_scale"].shape
+        float_params[key], qtype_of(value), abstract_params["kernel_scale"].shape
       )
     elif key != "kernel_scale":
       out[key] = float_params[key]

@@ -243,3 +243,39 @@ def test_qlora_starts_from_a_float_checkpoint_and_resumes(tmp_path, qtype):
   assert "Restored the checkpoint of step 1" in result.stdout
   whole, resumed = (read_metrics(tmp_path / f"{run}.jsonl") for run in ("whole", "resumed"))
   assert [m["learning/loss"] for m in resumed] == [m["learning/loss"] for m in whole]
+
+
+def test_the_float_base_is_quantized_one_kernel_at_a_time_as_it_loads(tmp_path, monkeypatch):
+  """starting_state.load_parameters of a float checkpoint with QLoRA: the codes and scales equal those of quantizing
+  the whole float base at once, and while a kernel is quantized no other float kernel is alive."""
+  import gc  # pylint: disable=import-outside-toplevel
+
+  import jax  # pylint: disable=import-outside-toplevel
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+
+  # pylint: disable=import-outside-toplevel
+  from MaxText import checkpointing, lora_training, qlora_loading, starting_state, train_state
+
+  config, mesh, setup = _setup()
+  state = train_state.init_train_state(setup.model, setup.tx, config, mesh, setup.state_shardings)
+  path = str(tmp_path / "params")
+  ocp.PyTreeCheckpointer().save(path, {"params": lora_training.split(state.params)[0]})
+  del state
+  gc.collect()
+  q_config, _, q_setup = _setup("lora_weight_qtype=int8", f"load_parameters_path={path}")
+  held = q_setup.abstract_state.params
+  float_kernels = {a.shape for a in jax.tree.leaves(qlora.float_layout(held, "float32")) if a.ndim >= 3}
+  alive = []
+  quantize = qlora_loading._quantize  # pylint: disable=protected-access
+
+  def counting(kernel, held_layer):
+    alive.append(sum(a.dtype == jnp.float32 and a.shape in float_kernels for a in jax.live_arrays()))
+    return quantize(kernel, held_layer)
+
+  monkeypatch.setattr(qlora_loading, "_quantize", counting)
+  base, adapters = starting_state.load_parameters(q_config, held)
+  assert not adapters and alive == [1] * len(alive) and len(alive) == 7  # q, k, v, o, wi_0, wi_1, wo
+  whole = checkpointing.load_params(path, lora_training.split(qlora.float_layout(held, "float32"))[0])
+  expected = qlora_loading._quantize_all(whole, held)  # pylint: disable=protected-access
+  for got, want in zip(jax.tree.leaves(base), jax.tree.leaves(expected), strict=True):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

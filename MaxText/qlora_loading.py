@@ -1,0 +1,84 @@
+"""QLoRA's frozen base from load_parameters_path's float checkpoint, quantized on the devices as it is read.
+
+Each float kernel that the run holds quantized (layers/qlora.py) is read alone and quantized at once, its float
+copy donated, so the float base is never held whole: the peak is the codes, the other params and one float kernel
+(the largest stack, e.g. a scanned MLP kernel of every layer), against the whole float base when it was read in one
+go. A checkpoint in the other layer layout (scanned vs per-layer) is read whole first, then quantized: its kernels
+are restacked together.
+"""
+
+import jax
+
+from MaxText import checkpointing, lora_training, max_logging, params_layout
+from MaxText.layers import layer_names, qlora
+
+
+def load(path: str, tree: dict, float_params, held, scan_axis: int):
+  """The params of float_params' keys (qlora.float_layout of the run's, maybe without adapters), each kernel that
+  `held` (the run's abstract params) holds as codes quantized like it.
+
+  Args:
+    path: the checkpoint's items directory; tree: its metadata tree (checkpointing.tree_metadata).
+  """
+  if params_layout.is_scanned(tree["params"]) != params_layout.is_scanned(float_params):
+    loaded = checkpointing.load_params(path, float_params, scan_axis)
+    return _quantize_all(loaded, held)
+  checkpointing.check_checkpoint_fits(tree["params"], float_params, path)
+  kernels = [keys for keys, leaf in layer_names.flatten(held) if keys[-1] == "kernel" and qlora.is_code(leaf)]
+  params = checkpointing.restore_params(path, _pick(float_params, kernels, keep=False))
+  for keys in kernels:
+    kernel = _at(checkpointing.restore_params(path, _pick(float_params, [keys], keep=True)), keys)
+    _parent(params, keys).update(_quantize(kernel, _at(held, keys[:-1])))
+  max_logging.log(f"Loaded parameters from {path}, quantizing its {len(kernels)} dense kernels one at a time")
+  return params
+
+
+def _quantize_all(float_params, held):
+  """float_params with every kernel quantized at once (the float params are donated)."""
+  if not lora_training.split(float_params)[1]:
+    held = lora_training.split(held)[0]  # without the adapters that the checkpoint lacks
+  shardings = jax.tree.map(lambda a: a.sharding, held)
+  return jax.jit(lambda p: qlora.quantize_params(p, held), out_shardings=shardings, donate_argnums=0)(float_params)
+
+
+def _quantize(kernel, held_layer) -> dict:
+  """{"kernel": codes, "kernel_scale": scale} of one float kernel, sharded as the run holds them (kernel donated)."""
+  codes, scale = held_layer["kernel"], held_layer["kernel_scale"]
+  quantize = jax.jit(
+    lambda w: qlora.quantize(w, qlora.qtype_of(codes), scale.shape),
+    out_shardings=(codes.sharding, scale.sharding),
+    donate_argnums=0,
+  )
+  return dict(zip(("kernel", "kernel_scale"), quantize(kernel)))
+
+
+def _pick(tree: dict, paths: list, keep: bool) -> dict:
+  """The nested dict with only the leaves at `paths` (keep) or without them; emptied dicts are left out."""
+  wanted = set(paths)
+
+  def pick(node, prefix):
+    out = {}
+    for key, value in node.items():
+      keys = prefix + (key,)
+      if isinstance(value, dict):
+        sub = pick(value, keys)
+        if sub:
+          out[key] = sub
+      elif (keys in wanted) == keep:
+        out[key] = value
+    return out
+
+  return pick(tree, ())
+
+
+def _at(tree: dict, keys: tuple):
+  for key in keys:
+    tree = tree[key]
+  return tree
+
+
+def _parent(tree: dict, keys: tuple) -> dict:
+  """The dict that holds keys[-1], made where missing."""
+  for key in keys[:-1]:
+    tree = tree.setdefault(key, {})
+  return tree
