@@ -370,6 +370,7 @@ def test_the_logged_size_is_the_model_and_its_adapters_whatever_the_base_is_held
   assert lora_training.describe_size(setup.abstract_state.params).endswith(share)
 
 
+@pytest.mark.slow  # three train.py runs: about 16 s of the unit suite
 def test_load_full_state_path_of_a_lora_run_continues_it_on_its_base(tmp_path):
   """load_full_state_path of a LoRA run (adapters, their optimizer state, step) onto the same base continues it: with
   every batch the same, the next step's loss is the run's own. A run without LoRA given it is told so in one line."""
