@@ -15,14 +15,13 @@ import types
 
 import numpy as np
 
-from MaxText import max_logging
+from MaxText import common_types, max_logging
 from MaxText.errors import UserError
-from MaxText.hf_conversion import hf_io, maxtext_io
+from MaxText.hf_conversion import hf_io, maxtext_io, plan
 from MaxText.layers import lora
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-_PER_LAYER = re.compile(r"layers_(\d+)")
 
 
 def adapted_modules(keys) -> list[tuple]:
@@ -30,39 +29,91 @@ def adapted_modules(keys) -> list[tuple]:
   return sorted({k[:-1] for k in keys if k[-1] == "lora_a"})
 
 
-def _per_layer(stores: dict, module: tuple, scan_axis: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
-  """(layer, A, B) of each layer of a module, read from a scanned (decoder/layers, stacked on scan_axis) or
-  per-layer (decoder/layers_<i>) checkpoint."""
-  a, b = (maxtext_io.read(stores[module + (name,)]) for name in lora.ADAPTER_PARAMS)
-  if module[1] == "layers":
-    return [(i, np.take(a, i, scan_axis), np.take(b, i, scan_axis)) for i in range(a.shape[scan_axis])]
-  return [(int(_PER_LAYER.fullmatch(module[1]).group(1)), a, b)]
+# Dense nn.Linear projections whose adapter PEFT (0.21, on transformers 5) reads by their name (gate_proj, up_proj,
+# down_proj) as one of the MoE experts' (its v4 -> v5 conversion of deepseek_v3 and the other qwen2_moe-like models).
+_READ_AS_EXPERTS = {"deepseek": ("mlp/wi_0", "mlp/wi_1", "mlp/wo")}
 
 
-def _table_param(family, module: tuple):
-  if module[0] != "decoder" or not (module[1] == "layers" or _PER_LAYER.fullmatch(module[1])):
-    raise UserError(f"LoRA export: {'/'.join(module)} is outside the decoder layers; only their adapters are exported")
-  if family.layers_per_block != 1:
-    raise UserError(f"LoRA export of {family.name} (layers stacked in blocks) is not supported yet")
-  rel = "/".join(module[2:]) + "/kernel"
-  param = {p.maxtext: p for p in family.layer_params}.get(rel)
-  if param is None or param.experts:
-    raise UserError(f"LoRA export: {rel} has no single HF nn.Linear in the {family.name} table")
-  return param
+def _layer_offsets(config, family) -> dict[str, int]:
+  """The first HF layer of each stack (DeepSeek's moe_layers follow its dense_layers)."""
+  stacks = common_types.layer_stacks(
+    config.decoder_block, config.num_decoder_layers, getattr(config, "first_num_dense_layers", 0)
+  )
+  offsets, first = {}, 0
+  for stack, blocks in stacks.items():
+    offsets[stack], first = first, first + blocks * family.layers_per_block
+  return offsets
+
+
+def _table_param(family, module: tuple, scan_axis: int):
+  """(table Param, stack, block or None when scanned) of an adapted module, or a UserError naming it where it has
+  no PEFT nn.Linear."""
+  rule, stack, block, _ = plan.rule_for(module + ("kernel",), family, scan_axis)
+  where = "/".join(module)
+  if stack is None or stack == "mtp":
+    raise UserError(
+      f"LoRA export: {where} is outside the HF model's decoder layers, so PEFT's adapter cannot hold it; export with "
+      "--merge_lora, or train with a lora_module_path that leaves it out"
+    )
+  rel = "/".join(module[2:])
+  if rule is None or rule.experts or rule.op == "identity" or rel.startswith("MoeBlock_0/gate"):
+    raise UserError(f"LoRA export: {where} has no single HF nn.Linear in the {family.name} table (PEFT cannot hold it)")
+  if rel in _READ_AS_EXPERTS.get(family.name, ()):
+    hf = rule.hf.format(i="{i}").removesuffix(".weight")
+    raise UserError(
+      f"LoRA export: {where} is {hf}, which PEFT on transformers 5 loads as the MoE experts' fused weights of "
+      f"{family.name}, not as this nn.Linear; export with --merge_lora, or train with a lora_module_path that leaves "
+      "it out"
+    )
+  return rule, stack, block
+
+
+def hf_adapters(config, family, stores: dict) -> list[tuple[str, np.ndarray, np.ndarray]]:
+  """(HF module name, A, B) of every adapted layer: A (in... + (r,)) and B ((r,) + out...) of one HF layer."""
+  offsets, out = _layer_offsets(config, family), []
+  for module in adapted_modules(stores):
+    param, stack, block = _table_param(family, module, config.param_scan_axis)
+    a, b = (maxtext_io.read(stores[module + (name,)]) for name in lora.ADAPTER_PARAMS)
+    if block is None:  # scanned: the stack's blocks on param_scan_axis
+      axis = config.param_scan_axis
+      per_block = [(i, np.take(a, i, axis), np.take(b, i, axis)) for i in range(a.shape[axis])]
+    else:
+      per_block = [(block, a, b)]
+    for i, a_i, b_i in per_block:
+      layer = offsets[stack] + i * family.layers_per_block + param.layer_offset
+      out.append((param.hf.format(i=layer).removesuffix(".weight"), a_i, b_i))
+  return out
+
+
+def _target_modules(names: list[str], num_layers: int):
+  """PEFT's target_modules: the projections' names below a layer (self_attn.q_proj) where every layer has the
+  adapter; otherwise (some layers only, e.g. Gemma 2's local ones) a regex of exactly the adapted modules."""
+  by_target = {}
+  for name in names:
+    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+    if match is None:
+      return sorted(names)
+    by_target.setdefault(match.group(2), set()).add(int(match.group(1)))
+  if all(layers == set(range(num_layers)) for layers in by_target.values()):
+    return sorted(by_target)
+  groups = {}  # the HF layers -> the projections adapted in exactly those layers
+  for target, layers in by_target.items():
+    groups.setdefault(tuple(sorted(layers)), []).append(re.escape(target))
+  return "|".join(
+    rf"model\.layers\.(?:{'|'.join(map(str, layers))})\.(?:{'|'.join(sorted(targets))})"
+    for layers, targets in sorted(groups.items())
+  )
 
 
 def write_peft(config, family, stores: dict, output_dir: str, base_model: str | None = None) -> str:
   """adapter_config.json and adapter_model.safetensors of the adapters in `stores` (key path -> TensorStore);
   base_model: the HF base's directory, when known (base_model_name_or_path)."""
-  tensors, targets = {}, set()
-  for module in adapted_modules(stores):
-    param = _table_param(family, module)
-    for layer, a, b in _per_layer(stores, module, config.param_scan_axis):
-      name = param.hf.format(i=layer).removesuffix(".weight")
-      rank = a.shape[-1]
-      tensors[f"base_model.model.{name}.lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, rank).T)  # (r, in)
-      tensors[f"base_model.model.{name}.lora_B.weight"] = np.ascontiguousarray(b.reshape(rank, -1).T)  # (out, r)
-      targets.add(name.rsplit(".", 1)[-1])
+  tensors, names = {}, []
+  for name, a, b in hf_adapters(config, family, stores):
+    rank = a.shape[-1]
+    tensors[f"base_model.model.{name}.lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, rank).T)  # (r, in)
+    tensors[f"base_model.model.{name}.lora_B.weight"] = np.ascontiguousarray(b.reshape(rank, -1).T)  # (out, r)
+    names.append(name)
   if not tensors:
     raise UserError("the checkpoint holds no LoRA adapters (was the run started with enable_lora=true?)")
   os.makedirs(output_dir, exist_ok=True)
@@ -77,7 +128,7 @@ def write_peft(config, family, stores: dict, output_dir: str, base_model: str | 
     "r": int(config.lora_rank),
     "lora_alpha": float(config.lora_alpha),
     "lora_dropout": 0.0,
-    "target_modules": sorted(targets),
+    "target_modules": _target_modules(names, int(config.num_decoder_layers)),
     "bias": "none",
     "fan_in_fan_out": False,
     "use_rslora": False,
@@ -112,7 +163,7 @@ def merged_stores(config, adapter_stores: dict, base_dir: str) -> dict:
       raise UserError(f"{base_dir} has no {'/'.join(kernel_keys)} (a base of another layout or model?)")
     kernel = maxtext_io.read(base[kernel_keys])
     a, b = (maxtext_io.read(adapter_stores[module + (name,)]) for name in lora.ADAPTER_PARAMS)
-    if module[1] == "layers":  # stacked on param_scan_axis: merge layer by layer
+    if module[1] in common_types.STACK_NAMES:  # stacked on param_scan_axis: merge layer by layer
       axis = config.param_scan_axis
       a, b, w = (np.moveaxis(x, axis, 0) for x in (a, b, kernel))
       delta = np.einsum("lir,lro->lio", a.reshape(a.shape[0], -1, a.shape[-1]), b.reshape(b.shape[0], b.shape[1], -1))

@@ -52,7 +52,7 @@ def _stack_of(keys: tuple) -> tuple[str | None, int | None]:
   return (match.group(1), int(match.group(2))) if match else (None, None)
 
 
-def _rule_for(keys: tuple, family, scan_axis: int):
+def rule_for(keys: tuple, family, scan_axis: int):
   """(rule, stack or None, block index or None, layer axis or None) of a MaxText param. A multi-token prediction
   depth's params count as the "mtp" stack, block k - 1."""
   depth = _MTP_DEPTH.fullmatch(keys[1]) if len(keys) > 2 and keys[0] == "decoder" else None
@@ -93,7 +93,7 @@ def plan(family, shapes: dict, scan_axis: int, tied: bool, where: str) -> list[A
   arrays, used, stacks = [], set(), set()
   offsets = _first_blocks(family, shapes, scan_axis)
   for keys, shape in shapes.items():
-    rule, stack, layer, layer_axis = _rule_for(keys, family, scan_axis)
+    rule, stack, layer, layer_axis = rule_for(keys, family, scan_axis)
     stacks.add(stack)
     if rule is None:
       raise UserError(f"{where} has params/{'/'.join(keys)}, which the {family.name} conversion table does not know")
