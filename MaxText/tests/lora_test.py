@@ -150,11 +150,7 @@ LORA_MODULES = "decoder/layers/(self_attention/(query|key|value|out)|mlp/(wi_0|w
 def test_lora_round_trip_peft_and_merged_export_give_our_logits(tmp_path, capsys):
   """A converted tiny HF llama, 3 LoRA steps (attention and MLP), resumed for a 4th; the PEFT export on the HF base
   and the merged export both give our LoRA model's logits."""
-  import peft  # pylint: disable=import-outside-toplevel  # requirements-test.txt
-  import torch  # pylint: disable=import-outside-toplevel
-  import transformers  # pylint: disable=import-outside-toplevel
 
-  from MaxText import convert_checkpoint  # pylint: disable=import-outside-toplevel
   from MaxText.hf_conversion import converter, logit_check  # pylint: disable=import-outside-toplevel
   from MaxText.tests.sft_test import _hf_llama  # pylint: disable=import-outside-toplevel
 
@@ -188,23 +184,10 @@ def test_lora_round_trip_peft_and_merged_export_give_our_logits(tmp_path, capsys
   assert saved and all(k[-1] in ("lora_a", "lora_b") for k in saved), saved  # the base is not in the checkpoint
   assert "Restored the checkpoint of step" in result.stdout, result.stdout[-3000:]
 
-  convert_checkpoint.main(["c", "to_hf", "--maxtext_dir", run_dir, "--output_dir", str(tmp_path / "peft")])
-  convert_checkpoint.main(["c", "to_hf", "--maxtext_dir", run_dir, "--output_dir", str(tmp_path / "merged"), "--merge_lora"])
+  tokens = logit_check.random_tokens(320, length=24)
+  ours = exports_give_our_logits(tmp_path, run_dir, hf_dir, base_params, model_yml, tokens)
   with open(tmp_path / "peft" / "adapter_config.json", encoding="utf-8") as f:
     assert json.load(f)["base_model_name_or_path"] == hf_dir  # the HF source of the run's load_parameters_path
-
-  tokens = logit_check.random_tokens(320, length=24)
-  ours = _lora_logits(run_dir, base_params, model_yml, tokens)
-  base_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
-  peft_model = peft.PeftModel.from_pretrained(base_model, str(tmp_path / "peft")).eval()
-  with torch.no_grad():
-    peft_logits = peft_model(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
-  merged_logits = logit_check.hf_logits(str(tmp_path / "merged"), tokens)
-  base_logits = logit_check.hf_logits(hf_dir, tokens)
-  peft_diff, merged_diff = np.max(np.abs(peft_logits - ours)), np.max(np.abs(merged_logits - ours))
-  print(f"\nLoRA logits: PEFT vs ours {peft_diff:.2e}, merged vs ours {merged_diff:.2e}")
-  assert np.max(np.abs(base_logits - ours)) > 1e-2  # the adapters moved the model
-  assert peft_diff < 1e-4 and merged_diff < 1e-4
 
   # decode.py's params: the run's adapters (its latest checkpoint) joined onto load_parameters_path's base.
   np.testing.assert_allclose(_decoding_logits(tmp_path, base_params, model_yml, tokens), ours, atol=1e-5)
@@ -214,6 +197,32 @@ def test_lora_round_trip_peft_and_merged_export_give_our_logits(tmp_path, capsys
   run_keys = dict(run_name="lora", base_output_directory=str(tmp_path), load_parameters_path=base_params)
   decoding._warn_if_the_run_has_adapters(converter.maxtext_config(model_yml, **run_keys))  # pylint: disable=protected-access
   assert "run lora's latest checkpoint holds LoRA adapters, which this decode leaves out" in capsys.readouterr().err
+
+
+def exports_give_our_logits(tmp_path, run_dir, hf_dir, base_params, model_yml, tokens, label="") -> np.ndarray:
+  """Exports the LoRA run to tmp_path/peft (PEFT) and tmp_path/merged (--merge_lora); asserts that PeftModel on the
+  HF base and the merged model give our LoRA model's logits (1e-4) and that the adapters moved it; returns ours."""
+  import peft  # pylint: disable=import-outside-toplevel  # requirements-test.txt
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+
+  from MaxText import convert_checkpoint  # pylint: disable=import-outside-toplevel
+  from MaxText.hf_conversion import logit_check  # pylint: disable=import-outside-toplevel
+
+  convert_checkpoint.main(["c", "to_hf", "--maxtext_dir", run_dir, "--output_dir", str(tmp_path / "peft")])
+  convert_checkpoint.main(["c", "to_hf", "--maxtext_dir", run_dir, "--output_dir", str(tmp_path / "merged"), "--merge_lora"])
+  ours = _lora_logits(run_dir, base_params, model_yml, tokens)
+  base_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+  peft_model = peft.PeftModel.from_pretrained(base_model, str(tmp_path / "peft")).eval()
+  with torch.no_grad():
+    peft_logits = peft_model(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+  merged_logits = logit_check.hf_logits(str(tmp_path / "merged"), tokens)
+  base_logits = logit_check.hf_logits(hf_dir, tokens)
+  peft_diff, merged_diff = np.max(np.abs(peft_logits - ours)), np.max(np.abs(merged_logits - ours))
+  print(f"\n{label}LoRA logits: PEFT vs ours {peft_diff:.2e}, merged vs ours {merged_diff:.2e}")
+  assert np.max(np.abs(base_logits - ours)) > 1e-2  # the adapters moved the model
+  assert peft_diff < 1e-4 and merged_diff < 1e-4
+  return ours
 
 
 def _decoding_logits(tmp_path, base_params: str, model_yml: str, tokens: np.ndarray) -> np.ndarray:

@@ -3,7 +3,6 @@ our LoRA model's logits (llama's own case, with resuming and decoding, is lora_t
 
 import json
 
-import numpy as np
 import pytest
 
 from MaxText.tests.helpers import TRAIN_PY, run_python
@@ -59,33 +58,15 @@ def _lora_run(tmp_path, family: str, module_path: str):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_peft_and_merged_exports_give_our_logits(tmp_path, case):
-  import peft  # pylint: disable=import-outside-toplevel  # requirements-test.txt
-  import torch  # pylint: disable=import-outside-toplevel
-  import transformers  # pylint: disable=import-outside-toplevel
-
-  from MaxText import convert_checkpoint  # pylint: disable=import-outside-toplevel
   from MaxText.hf_conversion import logit_check  # pylint: disable=import-outside-toplevel
-  from MaxText.tests.lora_test import _lora_logits  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.lora_test import exports_give_our_logits  # pylint: disable=import-outside-toplevel
 
   family, module_path = CASES[case]
   hf_dir, model_yml, base_params, run_dir = _lora_run(tmp_path, family, module_path)
-  convert_checkpoint.main(["c", "to_hf", "--maxtext_dir", run_dir, "--output_dir", str(tmp_path / "peft")])
-  convert_checkpoint.main(["c", "to_hf", "--maxtext_dir", run_dir, "--output_dir", str(tmp_path / "merged"), "--merge_lora"])
-  with open(tmp_path / "peft" / "adapter_config.json", encoding="utf-8") as f:
-    print(f"\n{case} target_modules {json.load(f)['target_modules']}")
-
   tokens = logit_check.random_tokens(256, length=24)  # longer than the sliding windows (16)
-  ours = _lora_logits(run_dir, base_params, model_yml, tokens)
-  base_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
-  peft_model = peft.PeftModel.from_pretrained(base_model, str(tmp_path / "peft")).eval()
-  with torch.no_grad():
-    peft_logits = peft_model(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
-  merged_logits = logit_check.hf_logits(str(tmp_path / "merged"), tokens)
-  base_logits = logit_check.hf_logits(hf_dir, tokens)
-  peft_diff, merged_diff = np.max(np.abs(peft_logits - ours)), np.max(np.abs(merged_logits - ours))
-  print(f"{case} LoRA logits: PEFT vs ours {peft_diff:.2e}, merged vs ours {merged_diff:.2e}")
-  assert np.max(np.abs(base_logits - ours)) > 1e-2  # the adapters moved the model
-  assert peft_diff < 1e-4 and merged_diff < 1e-4
+  exports_give_our_logits(tmp_path, run_dir, hf_dir, base_params, model_yml, tokens, label=f"{case} ")
+  with open(tmp_path / "peft" / "adapter_config.json", encoding="utf-8") as f:
+    print(f"{case} target_modules {json.load(f)['target_modules']}")
 
 
 def test_an_adapter_outside_the_hf_layers_is_one_line(tmp_path):
