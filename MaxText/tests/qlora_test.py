@@ -267,9 +267,12 @@ def test_the_float_base_is_quantized_one_kernel_at_a_time_as_it_loads(tmp_path, 
   float_kernels = {a.shape for a in jax.tree.leaves(qlora.float_layout(held, "float32")) if a.ndim >= 3}
   alive = []
   quantize = qlora_loading._quantize  # pylint: disable=protected-access
+  earlier = jax.live_arrays()  # held (so their ids stay theirs): other tests' arrays of the same shapes may be alive
+  earlier_ids = {id(a) for a in earlier}
 
   def counting(kernel, held_layer):
-    alive.append(sum(a.dtype == jnp.float32 and a.shape in float_kernels for a in jax.live_arrays()))
+    new = [a for a in jax.live_arrays() if id(a) not in earlier_ids]
+    alive.append(sum(a.dtype == jnp.float32 and a.shape in float_kernels for a in new))
     return quantize(kernel, held_layer)
 
   monkeypatch.setattr(qlora_loading, "_quantize", counting)
