@@ -52,32 +52,14 @@ def check_selects_layers(config, params) -> None:
   )
 
 
-def _partition(params, belongs) -> tuple[dict, dict]:
-  """(the leaves for which belongs(keys, leaf) is false, those for which it is true), in the params' nesting."""
-
-  def part(tree, wanted: bool, prefix=()):
-    out = {}
-    for key, value in tree.items():
-      keys = prefix + (key,)
-      if isinstance(value, dict):
-        sub = part(value, wanted, keys)
-        if sub:
-          out[key] = sub
-      elif belongs(keys, value) == wanted:
-        out[key] = value
-    return out
-
-  return part(params, False), part(params, True)
-
-
 def split(params) -> tuple[dict, dict]:
   """(base, adapters): two trees of the params' nesting, each holding only its own leaves."""
-  return _partition(params, lambda keys, _: is_adapter(keys))
+  return layer_names.partition(params, lambda keys, _: is_adapter(keys))
 
 
 def split_codes(params) -> tuple[dict, dict]:
   """(QLoRA's quantized kernels, the other params): the first are integer or fp8 codes, which are not differentiated."""
-  other, codes = _partition(params, lambda _, leaf: qlora.is_code(leaf))
+  other, codes = layer_names.partition(params, lambda _, leaf: qlora.is_code(leaf))
   return codes, other
 
 

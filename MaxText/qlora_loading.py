@@ -24,11 +24,13 @@ def load(path: str, tree: dict, float_params, held, scan_axis: int):
     loaded = checkpointing.load_params(path, float_params, scan_axis)
     return _quantize_all(loaded, held)
   checkpointing.check_checkpoint_fits(tree["params"], float_params, path)
-  kernels = [keys for keys, leaf in layer_names.flatten(held) if keys[-1] == "kernel" and qlora.is_code(leaf)]
-  params = checkpointing.restore_params(path, _pick(float_params, kernels, keep=False))
-  for keys in kernels:
-    kernel = _at(checkpointing.restore_params(path, _pick(float_params, [keys], keep=True)), keys)
-    _parent(params, keys).update(_quantize(kernel, _at(held, keys[:-1])))
+  kernels = {keys for keys, leaf in layer_names.flatten(held) if keys[-1] == "kernel" and qlora.is_code(leaf)}
+  others, floats = layer_names.partition(float_params, lambda keys, _: keys in kernels)
+  params = checkpointing.restore_params(path, others)
+  for keys, _ in layer_names.flatten(floats):
+    kernel = layer_names.at(checkpointing.restore_params(path, _only(floats, keys)), keys)
+    for name, value in _quantize(kernel, layer_names.at(held, keys[:-1])).items():
+      layer_names.set_at(params, (*keys[:-1], name), value)
   max_logging.log(f"Loaded parameters from {path}, quantizing its {len(kernels)} dense kernels one at a time")
   return params
 
@@ -52,33 +54,8 @@ def _quantize(kernel, held_layer) -> dict:
   return dict(zip(("kernel", "kernel_scale"), quantize(kernel)))
 
 
-def _pick(tree: dict, paths: list, keep: bool) -> dict:
-  """The nested dict with only the leaves at `paths` (keep) or without them; emptied dicts are left out."""
-  wanted = set(paths)
-
-  def pick(node, prefix):
-    out = {}
-    for key, value in node.items():
-      keys = prefix + (key,)
-      if isinstance(value, dict):
-        sub = pick(value, keys)
-        if sub:
-          out[key] = sub
-      elif (keys in wanted) == keep:
-        out[key] = value
-    return out
-
-  return pick(tree, ())
-
-
-def _at(tree: dict, keys: tuple):
-  for key in keys:
-    tree = tree[key]
-  return tree
-
-
-def _parent(tree: dict, keys: tuple) -> dict:
-  """The dict that holds keys[-1], made where missing."""
-  for key in keys[:-1]:
-    tree = tree.setdefault(key, {})
-  return tree
+def _only(tree: dict, keys: tuple) -> dict:
+  """The nested dict holding only the leaf at `keys`."""
+  one = {}
+  layer_names.set_at(one, keys, layer_names.at(tree, keys))
+  return one

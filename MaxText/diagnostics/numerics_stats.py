@@ -60,18 +60,6 @@ def _feature_active(feature: numerics_config.StatsFeature, step):
   return active & (step <= feature.end_step) if feature.end_step >= 0 else active
 
 
-def _get(tree: dict, path: tuple[str, ...]):
-  for key in path:
-    tree = tree[key]
-  return tree
-
-
-def _set(tree: dict, path: tuple[str, ...], value) -> None:
-  for key in path[:-1]:
-    tree = tree.setdefault(key, {})
-  tree[path[-1]] = value
-
-
 def _safe_divide(x, n):
   return x / jnp.maximum(n, 1.0)
 
@@ -185,7 +173,7 @@ class Plan:
         entry[tensor] = {"gate": gate, "stats": {name: jnp.zeros_like(gate) for name in tap.reductions(tensor)}}
         if tensor == "gradient":
           entry[tensor]["scale"] = jnp.broadcast_to(jnp.asarray(gradient_scale, jnp.float32), gate.shape)
-      _set(tree, tap.module_path, entry)
+      layer_names.set_at(tree, tap.module_path, entry)
     return tree
 
   def reductions(self, sown: dict, inputs_grad: dict) -> dict:
@@ -200,9 +188,9 @@ class Plan:
       entry = {}
       for tensor in tap.tensors():
         if tensor == "gradient":
-          entry[tensor] = dict(_get(inputs_grad, tap.module_path)[tensor]["stats"])
+          entry[tensor] = dict(layer_names.at(inputs_grad, tap.module_path)[tensor]["stats"])
         else:
-          (entry[tensor],) = _get(sown["intermediates"], tap.module_path)[numerics_taps.SOWN[tensor]]
+          (entry[tensor],) = layer_names.at(sown["intermediates"], tap.module_path)[numerics_taps.SOWN[tensor]]
       out[tap.key] = entry
     return out
 
@@ -212,7 +200,7 @@ class Plan:
     for tap in self.taps:
       entry = {}
       for tensor in tap.tensors():
-        shape = _get(inputs, tap.module_path)[tensor]["gate"].shape
+        shape = layer_names.at(inputs, tap.module_path)[tensor]["gate"].shape
         fill = {name: jnp.inf if name in _MIN else -jnp.inf if name in _MAX else 0.0 for name in tap.reductions(tensor)}
         entry[tensor] = {name: jnp.full(shape, value, jnp.float32) for name, value in fill.items()}
       out[tap.key] = entry

@@ -68,6 +68,39 @@ def flatten(tree) -> list[tuple[tuple[str, ...], object]]:
   ]
 
 
+def at(tree: dict, keys: tuple[str, ...]):
+  """The value at `keys` of a nested dict."""
+  for key in keys:
+    tree = tree[key]
+  return tree
+
+
+def set_at(tree: dict, keys: tuple[str, ...], value) -> None:
+  """Puts `value` at `keys` of a nested dict, making the dicts on the way that are missing."""
+  for key in keys[:-1]:
+    tree = tree.setdefault(key, {})
+  tree[keys[-1]] = value
+
+
+def partition(tree: dict, belongs) -> tuple[dict, dict]:
+  """(the leaves for which belongs(keys, leaf) is false, those for which it is true), each in the tree's nesting;
+  dicts left empty are left out."""
+
+  def part(node, wanted: bool, prefix=()):
+    out = {}
+    for key, value in node.items():
+      keys = prefix + (key,)
+      if isinstance(value, dict):
+        sub = part(value, wanted, keys)
+        if sub:
+          out[key] = sub
+      elif belongs(keys, value) == wanted:
+        out[key] = value
+    return out
+
+  return part(tree, False), part(tree, True)
+
+
 def scan_axis(keys: tuple[str, ...], leaf, config) -> int | None:
   """The axis that stacks the scanned layers in the param (or gradient) at `keys`; None outside the scan.
 
