@@ -83,32 +83,10 @@ def _nonzero_b(params):
 @pytest.mark.slow
 def test_lora_sft_run_loss_falls(tmp_path):
   """30 steps of LoRA SFT on a small repeated chat set (sft_test's): the completion-only loss falls."""
-  from MaxText.tests.sft_test import CHATML, CONVERSATIONS, build_chat_tokenizer  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.sft_test import CHATML, build_chat_tokenizer, chat_sft_losses  # pylint: disable=import-outside-toplevel
 
-  data = tmp_path / "chat.jsonl"
-  data.write_text("".join(json.dumps({"messages": CONVERSATIONS[i % 3]}) + "\n" for i in range(64)), encoding="utf-8")
-  result, metrics = run_train(
-    tmp_path,
-    "lora",
-    "steps=30",
-    "enable_lora=true",
-    "lora_rank=16",
-    "lora_module_path=decoder/layers/.*",
-    "learning_rate=3e-2",
-    "use_sft=true",
-    "sft_train_on_completion_only=true",
-    "train_data_columns=['messages']",
-    f"tokenizer_path={build_chat_tokenizer(tmp_path / 'tok', CHATML)}",
-    "vocab_size=320",
-    "max_target_length=64",
-    "dataset_type=hf",
-    "hf_path=json",
-    f"hf_train_files={data}",
-    "enable_checkpointing=false",
-  )
-  assert result.returncode == 0, result.stderr[-3000:]
-  losses = [m["learning/loss"] for m in metrics]
-  assert len(losses) == 30
+  lora = ["enable_lora=true", "lora_rank=16", "lora_module_path=decoder/layers/.*", "learning_rate=3e-2"]
+  losses = chat_sft_losses(tmp_path, "lora", build_chat_tokenizer(tmp_path / "tok", CHATML), *lora)
   assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5]), losses
 
 

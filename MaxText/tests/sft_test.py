@@ -289,30 +289,37 @@ def test_step0_sft_loss_equals_transformers_masked_cross_entropy(tokenizers_dir,
 
 
 @pytest.mark.slow
-def test_sft_training_run_loss_falls(tokenizers_dir, tmp_path):
-  """30 steps of train.py on a small jsonl chat set with the hf dataset type: the completion-only loss falls."""
+def chat_sft_losses(tmp_path, run_name: str, tokenizer_path: str, *args) -> list[float]:
+  """The losses of 30 completion-only SFT steps of train.py on CONVERSATIONS as jsonl (hf), with `args` added."""
   data = tmp_path / "chat.jsonl"
   with open(data, "w", encoding="utf-8") as f:
     for i in range(64):
       f.write(json.dumps({"messages": CONVERSATIONS[i % len(CONVERSATIONS)]}) + "\n")
   result, metrics = run_train(
     tmp_path,
-    "sft",
+    run_name,
     "steps=30",
     "use_sft=true",
     "sft_train_on_completion_only=true",
     "train_data_columns=['messages']",
-    f"tokenizer_path={tokenizers_dir[CHATML]}",
+    f"tokenizer_path={tokenizer_path}",
     "vocab_size=320",
     "max_target_length=64",
     "dataset_type=hf",
     "hf_path=json",
     f"hf_train_files={data}",
     "enable_checkpointing=false",
+    *args,
   )
   assert result.returncode == 0, result.stderr[-3000:]
   losses = [m["learning/loss"] if "learning/loss" in m else m["loss"] for m in metrics]
   assert len(losses) == 30
+  return losses
+
+
+def test_sft_training_run_loss_falls(tokenizers_dir, tmp_path):
+  """30 steps of train.py on a small jsonl chat set with the hf dataset type: the completion-only loss falls."""
+  losses = chat_sft_losses(tmp_path, "sft", tokenizers_dir[CHATML])
   assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5]), losses
 
 
