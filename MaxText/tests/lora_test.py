@@ -125,26 +125,19 @@ def _lora_logits(run_dir: str, base_params: str, model_yml: str, tokens: np.ndar
 LORA_MODULES = "decoder/layers/(self_attention/(query|key|value|out)|mlp/(wi_0|wi_1|wo))"
 
 
-def test_lora_round_trip_peft_and_merged_export_give_our_logits(tmp_path, capsys):
-  """A converted tiny HF llama, 3 LoRA steps (attention and MLP), resumed for a 4th; the PEFT export on the HF base
-  and the merged export both give our LoRA model's logits."""
+def lora_run(tmp_path, hf_dir: str, *args, stops=(3,)):
+  """hf_dir converted, then LoRA steps on it with `args` (the LoRA keys among them), a train.py run to each step
+  count of `stops` (each resuming the last): (model.yml, base params, run dir, the last run's process)."""
+  from MaxText.hf_conversion import converter  # pylint: disable=import-outside-toplevel
 
-  from MaxText.hf_conversion import converter, logit_check  # pylint: disable=import-outside-toplevel
-  from MaxText.tests.sft_test import _hf_llama  # pylint: disable=import-outside-toplevel
-
-  hf_dir = _hf_llama(tmp_path / "hf")
   converter.to_maxtext(hf_dir, str(tmp_path / "maxtext"))
   model_yml, base_params = str(tmp_path / "maxtext" / converter.MODEL_YML), str(tmp_path / "maxtext" / "params")
-  args = [
+  common = [
     TRAIN_PY,
     model_yml,
     "run_name=lora",
     f"base_output_directory={tmp_path}",
     f"load_parameters_path={base_params}",
-    "lora.enable_lora=true",
-    "lora.lora_rank=4",
-    "lora.lora_alpha=8",
-    f"lora.lora_module_path={LORA_MODULES}",
     "learning_rate=1e-2",
     "warmup_steps_fraction=0",
     "dataset_type=synthetic",
@@ -153,11 +146,25 @@ def test_lora_round_trip_peft_and_merged_export_give_our_logits(tmp_path, capsys
     "dtype=float32",
     "enable_tensorboard=false",
     "checkpoint_period=3",
+    *args,
   ]
-  for steps in (3, 4):  # the second run resumes from the first one's adapters-only checkpoint
-    result = run_python([*args, f"steps={steps}"])
+  for steps in stops:
+    result = run_python([*common, f"steps={steps}"])
     assert result.returncode == 0, result.stderr[-3000:]
-  run_dir = str(tmp_path / "lora")
+  return model_yml, base_params, str(tmp_path / "lora"), result
+
+
+def test_lora_round_trip_peft_and_merged_export_give_our_logits(tmp_path, capsys):
+  """A converted tiny HF llama, 3 LoRA steps (attention and MLP), resumed for a 4th; the PEFT export on the HF base
+  and the merged export both give our LoRA model's logits."""
+
+  from MaxText.hf_conversion import converter, logit_check  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.sft_test import _hf_llama  # pylint: disable=import-outside-toplevel
+
+  hf_dir = _hf_llama(tmp_path / "hf")
+  nested = ["lora.enable_lora=true", "lora.lora_rank=4", "lora.lora_alpha=8", f"lora.lora_module_path={LORA_MODULES}"]
+  # The second run resumes from the first one's adapters-only checkpoint.
+  model_yml, base_params, run_dir, result = lora_run(tmp_path, hf_dir, *nested, stops=(3, 4))
   saved = [k for k in maxtext_io_keys(converter.load_maxtext_dir(run_dir)[1]) if k[0] == "params"]
   assert saved and all(k[-1] in ("lora_a", "lora_b") for k in saved), saved  # the base is not in the checkpoint
   assert "Restored the checkpoint of step" in result.stdout, result.stdout[-3000:]

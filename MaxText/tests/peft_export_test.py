@@ -5,8 +5,6 @@ import json
 
 import pytest
 
-from MaxText.tests.helpers import TRAIN_PY, run_python
-
 # Every dense projection that MaxText's LoRA can adapt, in any stack and block sublayer (Gemma 2's local/global,
 # DeepSeek's dense_layers/moe_layers): attention (MLA's too) and the dense MLP. MoE routers and experts are not
 # DenseGeneral layers with adapters (layers/moe.py runs them through linears.PLAIN).
@@ -24,35 +22,14 @@ CASES = {
 
 def _lora_run(tmp_path, family: str, module_path: str):
   """A tiny HF model of `family`, converted, and 3 LoRA steps on it: (hf_dir, model.yml, base params, run dir)."""
-  from MaxText.hf_conversion import converter  # pylint: disable=import-outside-toplevel
   from MaxText.tests.convert_checkpoint_test import build_hf_model  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.lora_test import lora_run  # pylint: disable=import-outside-toplevel
 
   hf_dir = build_hf_model(str(tmp_path / "hf"), family)
-  converter.to_maxtext(hf_dir, str(tmp_path / "maxtext"))
-  model_yml, base_params = str(tmp_path / "maxtext" / converter.MODEL_YML), str(tmp_path / "maxtext" / "params")
-  args = [
-    TRAIN_PY,
-    model_yml,
-    "run_name=lora",
-    f"base_output_directory={tmp_path}",
-    f"load_parameters_path={base_params}",
-    "enable_lora=true",
-    "lora_rank=4",
-    "lora_alpha=8",
-    f"lora_module_path={module_path}",
-    "learning_rate=1e-2",
-    "warmup_steps_fraction=0",
-    "dataset_type=synthetic",
-    "per_device_batch_size=1",
-    "max_target_length=16",
-    "dtype=float32",
-    "enable_tensorboard=false",
-    "steps=3",
-    "checkpoint_period=3",
-  ]
-  result = run_python(args)
-  assert result.returncode == 0, result.stderr[-3000:]
-  return hf_dir, model_yml, base_params, str(tmp_path / "lora")
+  lora = ["enable_lora=true", "lora_rank=4", "lora_alpha=8", f"lora_module_path={module_path}"]
+  # Short rows: one device's batch of 16-token rows keeps the five families' runs quick.
+  model_yml, base_params, run_dir, _ = lora_run(tmp_path, hf_dir, *lora, "per_device_batch_size=1", "max_target_length=16")
+  return hf_dir, model_yml, base_params, run_dir
 
 
 @pytest.mark.slow
