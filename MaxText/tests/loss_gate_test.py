@@ -1,8 +1,13 @@
 """The identical-loss gate of refactors: the same runs give the same losses, params and shardings as recorded.
 
-The figures in loss_gate_reference.json were recorded from commit 5908f91 (before the core refactor) with
+The figures in loss_gate_reference.json of the first eight RUNS were recorded from commit 5908f91 (before the core
+refactor), those of the others (DPO, LoRA, QLoRA, DeepSeek's MTP and routing bias, numerics stats with LoRA, a
+pipeline, context-parallel SFT) from commit 1752d65 (before the feature-protocol refactor), with
 
     python3 -m MaxText.tests.loss_gate_test --record
+
+which runs and records only the RUNS that the reference lacks, leaving every recorded entry as it is (to record a
+run again, delete its entry first).
 
 Each run trains the tiny model for a few steps in float32 (one child process with 8 CPU devices, see
 sharded_runs.py); the losses must match to a relative 1e-6, and every param's path, shard shape and partition spec
@@ -33,7 +38,74 @@ all_gemms:
     freq: 1
 """
 
-# name -> (devices, extra args)
+# The chat and preference data of the SFT and DPO runs, and their tokenizer's training text: frozen copies of
+# sft_test's and dpo_test's (the gate's inputs must not move when those tests change).
+CHATML = (
+  "{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+  "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+  "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
+  "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+WORDS = "hello there how are you the cat sat on the mat a dog ran far what is two plus two four yes no maybe"
+CONVERSATIONS = [
+  [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "how are you"}],
+  [
+    {"role": "system", "content": "you are a cat"},
+    {"role": "user", "content": "what is two plus two"},
+    {"role": "assistant", "content": "four"},
+    {"role": "user", "content": "yes or no"},
+    {"role": "assistant", "content": "maybe the dog ran far"},
+  ],
+  [
+    {"role": "user", "content": "the cat"},
+    {"role": "assistant", "content": "sat on the mat"},
+    {"role": "user", "content": "a dog"},
+    {"role": "assistant", "content": "ran far"},
+  ],
+]
+PAIRS = [
+  {"prompt": "what is two plus two", "chosen": "four", "rejected": "the cat sat on the mat"},
+  {"prompt": "hello there", "chosen": "how are you", "rejected": "no"},
+  {"prompt": "the cat", "chosen": "sat on the mat", "rejected": "ran far"},
+  {"prompt": "a dog", "chosen": "ran far", "rejected": "maybe yes"},
+]
+
+CHAT_DATA = [
+  "dataset_type=hf",
+  "hf_path=json",
+  "enable_data_shuffling=false",
+  "tokenizer_path={tokenizer}",
+  "vocab_size=320",
+]
+LORA = [
+  "enable_lora=true",
+  "lora_rank=4",
+  "lora_alpha=8",
+  "lora_module_path=decoder/layers/(self_attention/(query|key|value|out)|mlp/(wi_0|wi_1|wo))",
+]
+# deepseek_test's tiny DeepSeek-V3: a dense layer, then 2 MoE layers with grouped routing; latent attention, yarn.
+DEEPSEEK = [
+  "decoder_block=deepseek",
+  "base_num_decoder_layers=3",
+  "first_num_dense_layers=1",
+  "num_experts=8",
+  "num_experts_per_tok=2",
+  "n_routing_groups=4",
+  "topk_routing_group=2",
+  "base_moe_mlp_dim=16",
+  "routed_scaling_factor=2.5",
+  "q_lora_rank=16",
+  "kv_lora_rank=8",
+  "qk_nope_head_dim=8",
+  "qk_rope_head_dim=4",
+  "v_head_dim=6",
+  "rope_type=yarn",
+  "rope_factor=4",
+  "original_max_position_embeddings=16",
+]
+
+# name -> (devices, extra args); {stats_yaml}, {tokenizer}, {pairs} and {chat} are files that _runs writes.
 RUNS = {
   "llama_scanned": (1, ["decoder_block=llama2"]),
   "llama_unrolled_minimal_accum2": (
@@ -46,15 +118,86 @@ RUNS = {
   "gemma2": (1, ["decoder_block=gemma2", "sliding_window_size=8", "attn_logits_soft_cap=50", "final_logits_soft_cap=30"]),
   "mixtral": (1, ["decoder_block=mixtral", "num_experts=4", "num_experts_per_tok=2"]),
   "fsdp4_tensor2": (8, ["decoder_block=llama2", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),
+  # Recorded from 1752d65.
+  "dpo": (
+    1,
+    [
+      "decoder_block=llama2",
+      "use_dpo=true",
+      "dpo_beta=0.1",
+      "train_data_columns=['prompt','chosen','rejected']",
+      "use_chat_template=true",
+      "max_target_length=64",
+      *CHAT_DATA,
+      "hf_train_files={pairs}",
+    ],
+  ),
+  "lora": (1, ["decoder_block=llama2", *LORA]),
+  "qlora_nf4_accum2": (
+    1,
+    ["decoder_block=llama2", *LORA, "lora_weight_qtype=nf4", "gradient_accumulation_steps=2"],
+  ),
+  "deepseek_mtp_routing_bias": (
+    1,
+    [*DEEPSEEK, "mtp_num_layers=1", "routed_bias=true", "routed_bias_update_rate=0.01"],
+  ),
+  "numerics_stats_lora": (1, ["decoder_block=llama2", "numerics_debug_config={stats_yaml}", *LORA]),
+  # pipeline_test's stage4_fsdp2: 8 layers in 4 stages of 2 repeats (reordered in memory), 4 microbatches.
+  "pipeline": (
+    8,
+    ["decoder_block=llama2", "base_num_decoder_layers=8", "ici_pipeline_parallelism=4", "ici_fsdp_parallelism=2"],
+  ),
+  # Completion-only SFT on packed chats, the sequence split 4 ways over context (all_gather, load balanced), 8 rows.
+  "context_sft": (
+    8,
+    [
+      "decoder_block=llama2",
+      "use_sft=true",
+      "sft_train_on_completion_only=true",
+      "train_data_columns=['messages']",
+      "max_target_length=64",
+      "per_device_batch_size=1",
+      *CHAT_DATA,
+      "hf_train_files={chat}",
+      "ici_context_parallelism=4",
+      "ici_fsdp_parallelism=2",
+    ],
+  ),
 }
 
 
-def _runs(tmp_path) -> list[dict]:
-  stats_yaml = tmp_path / "stats.yml"
-  stats_yaml.write_text(STATS_YAML)
+def build_chat_tokenizer(directory) -> str:
+  """sft_test's tokenizer: a byte-level BPE of about 320 tokens with the ChatML template (the same files each time)."""
+  import transformers  # pylint: disable=import-outside-toplevel
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # pylint: disable=import-outside-toplevel
+
+  tok = Tokenizer(models.BPE(unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  alphabet = pre_tokenizers.ByteLevel.alphabet()
+  trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS, initial_alphabet=alphabet)
+  tok.train_from_iterator([WORDS, "user assistant system"] * 4, trainer)
+  fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+  fast.chat_template = CHATML
+  fast.save_pretrained(str(directory))
+  return str(directory)
+
+
+def _write_jsonl(path, records, repeats: int) -> str:
+  path.write_text("".join(json.dumps(r) + "\n" for _ in range(repeats) for r in records), encoding="utf-8")
+  return str(path)
+
+
+def _runs(tmp_path, names) -> list[dict]:
+  files = {"stats_yaml": tmp_path / "stats.yml"}
+  files["stats_yaml"].write_text(STATS_YAML)
+  files["tokenizer"] = build_chat_tokenizer(tmp_path / "chatml")
+  files["pairs"] = _write_jsonl(tmp_path / "pairs.jsonl", PAIRS, repeats=16)
+  files["chat"] = _write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in CONVERSATIONS], repeats=32)
   runs = []
-  for name, (devices, extra) in RUNS.items():
-    extra = [a.format(stats_yaml=stats_yaml) for a in extra]
+  for name in names:
+    devices, extra = RUNS[name]
+    extra = [a.format(**files) for a in extra]
     args = tiny_args(
       f"run_name={name}",
       f"base_output_directory={tmp_path}",
@@ -69,14 +212,14 @@ def _runs(tmp_path) -> list[dict]:
   return runs
 
 
-def run_gate(tmp_path) -> dict:
-  """{run name: {"loss": [...], "params": {path: [shard shape, spec]}}} of the RUNS, from one child process."""
+def run_gate(tmp_path, names=tuple(RUNS)) -> dict:
+  """{run name: {"loss": [...], "params": {path: [shard shape, spec]}}} of the RUNS `names`, from one child process."""
   runs_path, report_path = tmp_path / "runs.json", tmp_path / "report.json"
-  runs_path.write_text(json.dumps(_runs(tmp_path)))
+  runs_path.write_text(json.dumps(_runs(tmp_path, names)))
   result = run_python(["-m", "MaxText.tests.sharded_runs", str(runs_path), str(report_path)], env_extra=cpu_env(8))
   assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-5000:]
   report = json.loads(report_path.read_text())
-  return {name: {"loss": report[name]["metrics"]["learning/loss"], "params": report[name]["params"]} for name in RUNS}
+  return {name: {"loss": report[name]["metrics"]["learning/loss"], "params": report[name]["params"]} for name in names}
 
 
 @pytest.fixture(scope="module")
@@ -96,12 +239,24 @@ def test_same_losses_params_and_shardings_as_before_the_refactor(gate, reference
   assert len(gate[name]["loss"]) == STEPS
   # float32 on the same CPU: only fusion order may move the last bits; never loosened to pass.
   np.testing.assert_allclose(gate[name]["loss"], reference[name]["loss"], rtol=1e-6, err_msg=name)
-  assert _without_new_axes(gate[name]["params"]) == reference[name]["params"]
+  params = _without_new_axes(gate[name]["params"]) if name in RECORDED_AT_5908F91 else gate[name]["params"]
+  assert params == reference[name]["params"]
 
 
-# Mesh axes added to base.yml's rules after the recording; of size 1 in every run here, so a spec naming them
-# shards the same as one that does not.
+# Mesh axes added to base.yml's rules after the recording at 5908f91; of size 1 in each of those runs, so a spec
+# naming them shards the same as one that does not. The runs recorded later hold them in their specs as they are
+# (a run whose entry is recorded again leaves this tuple).
 NEW_AXES = ("context",)
+RECORDED_AT_5908F91 = (
+  "llama_scanned",
+  "llama_unrolled_minimal_accum2",
+  "fp8",
+  "int8",
+  "numerics_stats",
+  "gemma2",
+  "mixtral",
+  "fsdp4_tensor2",
+)
 
 
 def _without_new_axes(params: dict) -> dict:
@@ -117,8 +272,11 @@ if __name__ == "__main__" and sys.argv[1:] == ["--record"]:
   import pathlib
   import tempfile
 
+  with open(REFERENCE, encoding="utf-8") as f:
+    recorded = json.load(f)
+  missing = [name for name in RUNS if name not in recorded]
   with tempfile.TemporaryDirectory() as tmp:
-    figures = run_gate(pathlib.Path(tmp))
+    figures = run_gate(pathlib.Path(tmp), missing) if missing else {}
   with open(REFERENCE, "w", encoding="utf-8") as f:
-    json.dump(figures, f, indent=1, sort_keys=True)
-  print(f"recorded {REFERENCE} from {REPO_ROOT}")
+    json.dump({**figures, **recorded}, f, indent=1, sort_keys=True)
+  print(f"recorded {missing} into {REFERENCE} from {REPO_ROOT}; kept {sorted(recorded)}")
