@@ -2,7 +2,7 @@
 memory verdict and its advice), from a file that train_compile.py wrote (compiled_trainstep_file), or for a
 compile_topology target (memory verdict and roofline).
 
-The step, the state's shardings and the batch shapes are train.py's own (train_state.build and
+The step, the state's shardings and the batch shapes are train.py's own (training_setup.build and
 lower_train_step); for a target only the devices differ: the target's, described by aot_targets.
 """
 
@@ -21,15 +21,15 @@ from MaxText import (
   flops,
   hlo_ops,
   interconnect,
-  lora_training,
+  jit_steps,
   max_logging,
   memory_check,
   roofline,
   sharding,
-  train_state,
-  train_step,
+  training_setup,
 )
 from MaxText.errors import UserError
+from MaxText.features import lora
 from MaxText.input_pipeline.packing import BATCH_KEYS
 from MaxText.mesh import create_device_mesh
 
@@ -43,34 +43,32 @@ def abstract_batch(config, mesh) -> dict:
   return {key: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=data_sharding) for key in BATCH_KEYS}
 
 
-def lower_train_step(model, config, mesh, abstract_state):
+def lower_train_step(setup, config, mesh):
   """The jitted train step traced on shapes only (for train.py's pre-flight and train_compile.py's AOT compile).
 
   Args:
-    model, config, mesh: as compile_train_step.
-    abstract_state: the TrainState of sharded jax.ShapeDtypeStructs; its shardings are the step's.
+    setup, config, mesh: as compile_train_step; setup.abstract_state's shardings are the step's.
 
   Returns:
     A jax.stages.Lowered; `.compile()` compiles it for the mesh's devices (local, or an AOT target's).
   """
-  state_shardings = jax.tree.map(lambda x: x.sharding, abstract_state)
+  state_shardings = jax.tree.map(lambda x: x.sharding, setup.abstract_state)
   with sharding.logical_context(mesh, config):
-    return train_step.jit_train_step(model, config, mesh, state_shardings).lower(
-      abstract_state, abstract_batch(config, mesh)
+    return jit_steps.jit_train_step(setup.model, config, setup.features, mesh, state_shardings).lower(
+      setup.abstract_state, abstract_batch(config, mesh)
     )
 
 
-def compile_train_step(model, config, mesh, abstract_state, memory_limit_bytes: int | None = None):
+def compile_train_step(setup, config, mesh, memory_limit_bytes: int | None = None):
   """The train step compiled ahead of time, after checking that one step fits a device's memory.
 
   This is train.py's pre-flight check: it needs no allocated state or batch, so a model that cannot fit
   stops before anything is allocated; the loop then calls the executable it returns, so nothing compiles twice.
 
   Args:
-    model: the Transformer (train_state.build's model).
+    setup: training_setup.build's (the model, the features, the abstract state of sharded jax.ShapeDtypeStructs).
     config: the Config.
     mesh: the device mesh.
-    abstract_state: the TrainState of sharded jax.ShapeDtypeStructs (train_state.build's abstract_state).
     memory_limit_bytes: one device's memory; default: what a local device has.
 
   Returns:
@@ -79,7 +77,7 @@ def compile_train_step(model, config, mesh, abstract_state, memory_limit_bytes: 
   Raises:
     UserError: a step needs more memory per device than a device has; the message names the keys that help.
   """
-  compiled = lower_train_step(model, config, mesh, abstract_state).compile()
+  compiled = lower_train_step(setup, config, mesh).compile()
   _check_memory(config, compiled, memory_limit_bytes)
   return throwing_step(config, compiled)
 
@@ -130,16 +128,16 @@ def _check_memory(config, compiled, memory_limit_bytes: int | None) -> None:
     )
 
 
-def load_compiled_train_step(model, config, mesh, abstract_state):
+def load_compiled_train_step(setup, config, mesh):
   """The step that train_compile.py compiled into config.compiled_trainstep_file, instead of compiling it here.
 
   Raises:
     UserError: the file is missing, or was compiled for other shapes, config values or devices (named).
   """
-  step = train_step.step_function(model, config)
+  step = jit_steps.step_function(setup.model, config, setup.features)
   with sharding.logical_context(mesh, config):
     compiled = compiled_step_file.load(
-      config.compiled_trainstep_file, config, jax.devices(), step, abstract_state, abstract_batch(config, mesh)
+      config.compiled_trainstep_file, config, jax.devices(), step, setup.abstract_state, abstract_batch(config, mesh)
     )
   max_logging.log(f"Loaded the compiled train step from {config.compiled_trainstep_file}")
   return throwing_step(config, compiled)
@@ -264,7 +262,7 @@ def compile_for_target(config) -> Outcome:
   mesh = create_device_mesh(config, devices)
   start = time.perf_counter()
   setup, lowered = _lowered(config, mesh)
-  num_params, _ = lora_training.model_size(setup.abstract_state.params)
+  num_params, _ = lora.model_size(setup.abstract_state.params)
   outcome = Outcome(config, target, devices, num_params, 0.0, memory_limit(target, devices))
   try:
     compiled = lowered.compile()
@@ -309,8 +307,8 @@ def _routed_rows(config) -> int | None:
 
 def _lowered(config, mesh):
   """train.py's model, state layout and step, traced for the mesh (the compiled step's verdict covers the state)."""
-  setup = train_state.build(config, mesh, check_memory=False)
-  return setup, lower_train_step(setup.model, config, mesh, setup.abstract_state)
+  setup = training_setup.build(config, mesh, check_memory=False)
+  return setup, lower_train_step(setup, config, mesh)
 
 
 def _in_gib(num_bytes: int) -> str:  # the verdict's unit, whatever the size

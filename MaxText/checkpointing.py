@@ -22,7 +22,7 @@ from MaxText import (
   checkpoint_loggers,
   disk_full,
   fault_injection,
-  lora_training,
+  feature_protocol,
   max_logging,
   params_layout,
   single_replica_restore,
@@ -119,9 +119,8 @@ def check_checkpoint_fits(checkpoint_params, model_params, where: str) -> None:
   problems += [f"{k}: in the checkpoint, not in the model" for k in saved if k not in wanted]
   if problems:
     more = f"; and {len(problems) - _MAX_LISTED_MISMATCHES} more" if len(problems) > _MAX_LISTED_MISMATCHES else ""
-    depths = {k.split("/")[2] for k in saved if k.startswith("params/decoder/mtp_")}
-    depths -= {k.split("/")[2] for k in wanted if k.startswith("params/decoder/mtp_")}
-    hint = f" (the checkpoint has multi-token prediction depths: set mtp_num_layers={len(depths)})" if depths else ""
+    hints = feature_protocol.checkpoint_hints(set(saved), set(wanted))
+    hint = f" ({hints})" if hints else ""
     raise UserError(
       f"checkpoint {where} does not fit the model (other dims, layer count or scan_layers?){hint}: "
       + "; ".join(problems[:_MAX_LISTED_MISMATCHES])
@@ -129,39 +128,16 @@ def check_checkpoint_fits(checkpoint_params, model_params, where: str) -> None:
     )
 
 
-def check_quantization_state(tree, abstract_state, where: str, items_path: str) -> None:
-  """Raises a UserError when a checkpoint holds quantization=fp8's state and the run has none, or the reverse.
-
-  Args:
-    tree: the checkpoint's metadata tree; abstract_state: this run's; where: the checkpoint, for the message;
-    items_path: its items directory, which load_parameters_path takes.
-  """
-  saved, wanted = "fp8_meta" in tree, hasattr(abstract_state, "fp8_meta")
-  if saved and wanted:
-    _check_amax_history_length(tree["fp8_meta"], abstract_state.fp8_meta, where, items_path)
-  if saved == wanted:
-    return
-  if saved:
-    problem, resume = "holds the fp8 state of quantization=fp8, which this run does not use", "quantization=fp8"
-  else:
-    problem, resume = "holds no fp8 state, which this run's quantization=fp8 needs", "the quantization it was trained with"
-  raise UserError(
-    f"checkpoint {where} {problem}: resume with {resume}, or change it in a new run_name started from its params "
-    f"(load_parameters_path={items_path})"
-  )
-
-
-def _check_amax_history_length(saved_meta, wanted_meta, where: str, items_path: str) -> None:
-  """The fp8 state's shapes differ only by fp8_amax_history_length (the last axis of each *_amax_history)."""
-  saved, wanted = _flat_shapes(saved_meta, "fp8_meta"), _flat_shapes(wanted_meta, "fp8_meta")
-  if saved == wanted:
-    return
-  lengths = {shape[-1] for key, shape in saved.items() if key.endswith("_amax_history")}
-  was = f"fp8_amax_history_length={lengths.pop()}" if len(lengths) == 1 else "another fp8 layout"
-  raise UserError(
-    f"checkpoint {where} holds an fp8 state saved with {was}, which this run's fp8_amax_history_length does not "
-    f"fit: resume with {was}, or change it in a new run_name started from its params (load_parameters_path={items_path})"
-  )
+def check_state_slots(tree, abstract_state, where: str) -> None:
+  """Raises a UserError when a checkpoint holds a train state slot that this run does not keep (a feature's state,
+  named by its slot); the features check the slots they need themselves (check_restore)."""
+  extra = sorted(set(tree) - {"step", "params", "opt_state"} - set(getattr(abstract_state, "slots", {})))
+  if extra:
+    items = where if where.endswith(f"/{STATE_ITEM}") else f"{where}/{STATE_ITEM}"
+    raise UserError(
+      f"checkpoint {where} holds the train state of a feature this run does not use ({', '.join(extra)}): resume "
+      f"with the features it was trained with, or start a new run_name from its params (load_parameters_path={items})"
+    )
 
 
 def on_every_process(ok: bool) -> bool:
@@ -325,13 +301,17 @@ def _unreadable(where: str, reason: str) -> UserError:
   )
 
 
-def restore_latest(manager, abstract_state, tier: str = "", reader=None):
+def restore_latest(manager, abstract_state, tier: str = "", reader=None, check=None):
   """The newest readable checkpoint of this run: (state, data_iterator_state or None), or None if there is none.
 
   A checkpoint shown to be damaged (a truncated, undecodable or missing file) is reported, moved aside,
   and the previous one is tried; any other read error (permissions, I/O, storage or network errors) stops
   the run with a UserError and moves nothing. Every process takes the same decision. A checkpoint of another
   model, or an intact one that cannot be restored onto this run, is a UserError (no silent fallback).
+
+  Args:
+    check: check(tree, abstract_state, where) raises a UserError when the checkpoint (its metadata tree) cannot
+      restore into abstract_state (starting_state.checks); default: its params must fit.
   """
   damaged = False
   for step in sorted(manager.all_steps(), reverse=True):
@@ -349,8 +329,10 @@ def restore_latest(manager, abstract_state, tier: str = "", reader=None):
       _quarantine(manager, step, short_error(error) if error else "unreadable on another process")
       damaged = True
       continue
-    check_checkpoint_fits(saved_params, abstract_state.params, where)
-    check_quantization_state(tree, abstract_state, where, f"{where}/{STATE_ITEM}")
+    if check is None:
+      check_checkpoint_fits(saved_params, abstract_state.params, where)
+    else:
+      check(tree, abstract_state, where)
     try:
       restored = _restore(manager, step, abstract_state, reader)
     except Exception as e:  # pylint: disable=broad-except
@@ -490,12 +472,13 @@ def save_checkpoint(manager, step: int, state, data_iterator, dataset_type: str 
 
   A full disk, in this save or in the asynchronous one before it, is a disk_full.DiskFullError.
 
+  state: what the checkpoint holds (train_state.saved of the state in its logical order).
   dataset_type: saved with the data position, so that a resume with another one is refused (restore_data_position).
   """
   start = time.time()
   wait_for_saves(manager)  # Orbax's save waits for the one in flight too; here its failure names its own step
   data_state = data_position(data_iterator, dataset_type)
-  args = {STATE_ITEM: ocp.args.StandardSave(lora_training.adapters_only(state)), DATA_ITEM: DataIteratorSave(data_state)}
+  args = {STATE_ITEM: ocp.args.StandardSave(state), DATA_ITEM: DataIteratorSave(data_state)}
   save = lambda: manager.save(step, args=ocp.args.Composite(**args), force=True)
   disk_full.raise_if_full(manager.directory, step, save, lambda: newest_complete_step(manager.directory))
   fault_injection.kill_during_save(step)  # a test's SIGKILL while the save is in flight

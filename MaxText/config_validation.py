@@ -197,6 +197,11 @@ def _check_paths(v):
 def _check_emergency_checkpoint(v):
   if not v["enable_emergency_checkpoint"]:
     return
+  if not v["enable_checkpointing"]:
+    raise ConfigError(
+      "enable_emergency_checkpoint=true needs enable_checkpointing=true: the local tier saves between the persistent "
+      "tier's checkpoints, and a restart falls back to them"
+    )
   if not v["local_checkpoint_directory"]:
     raise ConfigError(
       "enable_emergency_checkpoint=true needs local_checkpoint_directory: a directory on each host's own disk (a RAM "

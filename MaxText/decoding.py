@@ -1,6 +1,6 @@
 """Decoding with the training model: load its params, prefill a prompt into the KV cache, generate token by token.
 
-The model is train.py's (train_state.build), applied with the `cache` collection mutable: each attention layer
+The model is train.py's (training_setup.build), applied with the `cache` collection mutable: each attention layer
 then keeps its keys and values in `cache/cached_key|cached_value` (layers.attentions.Attention), sharded by the
 logical axes cache_batch / cache_sequence / cache_heads / cache_kv of logical_axis_rules.
 """
@@ -18,16 +18,16 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from MaxText import (
   checkpointing,
-  lora_training,
   max_logging,
   pipeline_schedule,
   sampling,
   serving_checkpoint,
   sharding,
   starting_state,
-  train_state,
+  training_setup,
 )
 from MaxText.errors import UserError
+from MaxText.features import lora, selection
 from MaxText.layers import context_parallel
 
 # Tokens that end a completion besides the tokenizer's EOS (Llama 3: end of turn, end of text).
@@ -52,7 +52,7 @@ def build(config, mesh):
       "decoding does not run with pipeline parallelism (it trains): set ici_pipeline_parallelism=1 and "
       "dcn_pipeline_parallelism=1 for decode.py; a pipelined run's checkpoint loads on any mesh"
     )
-  setup = train_state.build(config, mesh, params_only=True)
+  setup = training_setup.build(config, mesh, params_only=True)
   return setup.model, setup.abstract_state.params
 
 
@@ -72,7 +72,7 @@ def load_params(config, model, abstract_params, mesh):
   this run's latest checkpoint, or a random init (with a warning that the output is random)."""
   if config.checkpoint_is_quantized:  # a serving checkpoint of int8 kernels and their scales
     return serving_checkpoint.load(config, abstract_params)
-  if lora_training.split(abstract_params)[1]:
+  if lora.split(abstract_params)[1]:
     return _lora_params(config, model, abstract_params, mesh)
   _warn_if_the_run_has_adapters(config)
   for key in ("load_parameters_path", "load_full_state_path"):
@@ -95,7 +95,7 @@ def _warn_if_the_run_has_adapters(config) -> None:
   path = latest_run_checkpoint(config)
   if path is None or not (config.load_parameters_path or config.load_full_state_path):
     return
-  if lora_training.split(checkpointing.tree_metadata(path, "the run's latest checkpoint")["params"])[1]:
+  if lora.split(checkpointing.tree_metadata(path, "the run's latest checkpoint")["params"])[1]:
     max_logging.warn(
       f"run {config.run_name}'s latest checkpoint holds LoRA adapters, which this decode leaves out (the base alone): "
       "set enable_lora=true with the run's lora_* keys (its config.yml) to decode with them"
@@ -110,16 +110,16 @@ def _lora_params(config, model, abstract_params, mesh):
     raise UserError(
       "decoding with enable_lora=true needs load_parameters_path: the base model that the adapters were trained on"
     )
-  base, adapters = starting_state.load_parameters(config, abstract_params)
+  base, adapters = lora.split(starting_state.load_parameters(config, selection.for_config(config), abstract_params))
   path = latest_run_checkpoint(config)
   if path is not None:
     max_logging.log(f"Decoding with the adapters of run {config.run_name}'s latest checkpoint: {path}")
-    wanted = lora_training.split(abstract_params)[1]
+    wanted = lora.split(abstract_params)[1]
     adapters = checkpointing.load_params(path, wanted, config.param_scan_axis, key="the run's latest checkpoint")
   elif not adapters:
     max_logging.warn(f"no adapters (no checkpoint of run {config.run_name}): decoding the base model alone")
-    adapters = lora_training.split(random_params(config, model, abstract_params, mesh))[1]  # B = 0: the base's output
-  return lora_training.join(base, adapters)
+    adapters = lora.split(random_params(config, model, abstract_params, mesh))[1]  # B = 0: the base's output
+  return lora.join(base, adapters)
 
 
 def random_params(config, model, abstract_params, mesh):

@@ -24,7 +24,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 from orbax.checkpoint import type_handlers
 
-from MaxText import checkpointing, lora_training, max_logging, starting_state
+from MaxText import checkpointing, max_logging, starting_state, train_state
 
 _AGREED_STEPS = 16  # the newest local steps each process offers when the processes agree on one
 
@@ -72,14 +72,12 @@ class LocalTier:
   def save(self, step: int, state, data_iterator, dataset_type: str) -> None:
     data_state = checkpointing.data_position(data_iterator, dataset_type)
     args = {
-      # A LoRA run's adapters, as in the persistent tier: the frozen base would make every local save the model's size.
-      checkpointing.STATE_ITEM: ocp.args.PyTreeSave(lora_training.adapters_only(state)),
+      checkpointing.STATE_ITEM: ocp.args.PyTreeSave(state),
       checkpointing.DATA_ITEM: checkpointing.DataIteratorSave(data_state),
     }
     self.manager.save(step, args=ocp.args.Composite(**args), force=True)
 
   def restore(self, step: int, abstract_state):
-    abstract_state = lora_training.adapters_only(abstract_state)
     restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
     args = {
       checkpointing.STATE_ITEM: ocp.args.PyTreeRestore(item=abstract_state, restore_args=restore_args),
@@ -142,16 +140,17 @@ def restore_local(tier: LocalTier, persistent_step: int | None, abstract_state):
   return restored
 
 
-def initial_state(config, manager, tier: LocalTier | None, abstract_state, init_fn):
+def initial_state(config, features, manager, tier: LocalTier | None, abstract_state, init_fn):
   """starting_state.initial_state, preceded by the local tier when every process holds a step newer than the
-  persistent tier's newest."""
+  persistent tier's newest. The local tier holds what the persistent one does (train_state.saved)."""
   restored = None
   if tier is not None:
-    restored = restore_local(tier, checkpointing.newest_complete_step(config.checkpoint_dir), abstract_state)
+    saved = train_state.saved(features, abstract_state)
+    restored = restore_local(tier, checkpointing.newest_complete_step(config.checkpoint_dir), saved)
     if restored is not None:
-      restored = starting_state.onto_base(config, abstract_state, init_fn, restored)
+      restored = starting_state.onto_base(config, features, abstract_state, init_fn, restored)
   if restored is None:
-    restored = starting_state.initial_state(config, manager, abstract_state, init_fn)
+    restored = starting_state.initial_state(config, features, manager, abstract_state, init_fn)
   if tier is not None:
     tier.drop_newer_than(int(restored[0].step) - 1)  # the step restored (the state holds the next one)
   return restored

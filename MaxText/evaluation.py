@@ -28,8 +28,9 @@ def check_eval_data(config, mesh) -> None:
 
 
 def evaluate(config, mesh, p_eval_step, state) -> dict:
-  """Mean loss over the eval data, weighted by target tokens (use_dpo: by pairs, with the dpo/* metrics' means);
-  stops at eval_steps or when every process is out of data."""
+  """Mean loss over the eval data, weighted by the objective's weights (target tokens for the cross-entropy), with
+  the means of the objective's metrics; stops at eval_steps or when every process is out of data. The perplexity is
+  the cross-entropy's: an objective with metrics of its own has none."""
   start = time.time()
   iterator = create_eval_iterator(config, mesh)
   sums, steps = {}, 0
@@ -46,7 +47,7 @@ def evaluate(config, mesh, p_eval_step, state) -> dict:
   weights = sums.pop("evaluation/total_weights", 0.0)
   loss = sums.pop("evaluation/total_loss", 0.0) / max(weights, 1.0)
   means = {f"eval/{name.removeprefix('evaluation/')}": value / max(weights, 1.0) for name, value in sums.items()}
-  quality = means if config.use_dpo else {"eval/perplexity": math.exp(min(loss, 700.0))}  # DPO's loss is no LM's
+  quality = means or {"eval/perplexity": math.exp(min(loss, 700.0))}
   return {
     "eval/loss": loss,
     **quality,

@@ -20,10 +20,10 @@ from MaxText.errors import UserError, run_and_exit_on_user_error  # pylint: disa
 
 
 def _abstract_params(config, mesh, memory_limit_bytes):
-  from MaxText import train_state  # pylint: disable=import-outside-toplevel
+  from MaxText import training_setup  # pylint: disable=import-outside-toplevel
 
   # Only the params are read (no optimizer state), so only they must fit a device.
-  return train_state.build(config, mesh, params_only=True, memory_limit_bytes=memory_limit_bytes).abstract_state.params
+  return training_setup.build(config, mesh, params_only=True, memory_limit_bytes=memory_limit_bytes).abstract_state.params
 
 
 def _source_is_scanned(path: str) -> bool:

@@ -45,10 +45,10 @@ def layer_lines(config, params) -> list[str]:
 def main(argv: list[str]) -> None:
   config = pyconfig.initialize(argv, reads_data=False)
   # pylint: disable=import-outside-toplevel
-  from MaxText import train_state
+  from MaxText import training_setup
   from MaxText.mesh import create_device_mesh
 
-  setup = train_state.build(config, create_device_mesh(config), params_only=True, check_memory=False)
+  setup = training_setup.build(config, create_device_mesh(config), params_only=True, check_memory=False)
   print("\n".join(layer_lines(config, setup.abstract_state.params)))
 
 

@@ -1,37 +1,38 @@
 """The state a run starts from (and, when it resumes its own checkpoint, the data position saved with it).
 
-In order: the run's own latest good checkpoint (with LoRA: its adapters, joined onto the base); load_full_state_path
-(params, optimizer state and step; with LoRA a LoRA run's, joined onto load_parameters_path's base);
-load_parameters_path (a fresh state with those params; with LoRA the base, and the adapters too when the checkpoint
-holds some); a fresh init. checkpointing.py reads and checks each.
+In order: the run's own latest good checkpoint; load_full_state_path (params, optimizer state and step);
+load_parameters_path (a fresh state with those params); a fresh init. A checkpoint holds what the features' `saved`
+keep of the state: params it lacks (a run that trains adapters saves them, not the frozen base) come from
+load_parameters_path again, else from the init. checkpointing.py reads and checks each.
 """
 
+import jax
 import orbax.checkpoint as ocp
 
-from MaxText import checkpointing, lora_training, max_logging, qlora_loading, single_replica_restore
+from MaxText import checkpointing, feature_protocol, max_logging, single_replica_restore, train_state
 from MaxText.errors import UserError
-from MaxText.layers import qlora
+from MaxText.layers import layer_names
 
 
-def load_full_state(path: str, abstract_state):
-  """A whole TrainState (params, optimizer state, step) from an Orbax checkpoint's items directory; with LoRA
-  (adapters in abstract_state) a LoRA run's, which holds the adapters only (lora_training.adapters_only)."""
+def checks(features):
+  """check(tree, abstract_state, where): the core's and the features' checks that a checkpoint restores here."""
+
+  def check(tree: dict, abstract_state, where: str) -> None:
+    for feature in features:  # first: a feature's line says more than a list of params that differ
+      feature.check_restore(tree, abstract_state, where)
+    checkpointing.check_checkpoint_fits(tree["params"], abstract_state.params, where)
+    checkpointing.check_state_slots(tree, abstract_state, where)
+
+  return check
+
+
+def load_full_state(path: str, features, abstract_state):
+  """A whole train state (params, optimizer state, step, slots) from an Orbax checkpoint's items directory, in the
+  features' saved form (train_state.saved)."""
   tree = checkpointing.tree_metadata(path, "load_full_state_path")
   if "opt_state" not in tree:
     raise UserError(f"load_full_state_path={path} holds params only (no optimizer state); use load_parameters_path")
-  lora_run, lora_state = (bool(lora_training.split(t)[1]) for t in (abstract_state.params, tree["params"]))
-  if lora_run and not lora_state:
-    raise UserError(
-      f"load_full_state_path={path} is the train state of a run without LoRA; with enable_lora=true give a LoRA "
-      "run's checkpoint, or that model's params as load_parameters_path"
-    )
-  if lora_state and not lora_run:
-    raise UserError(
-      f"load_full_state_path={path} holds a LoRA run's adapters and their optimizer state: set enable_lora=true "
-      "(and its lora_* keys), with the base model as load_parameters_path"
-    )
-  checkpointing.check_checkpoint_fits(tree["params"], abstract_state.params, path)
-  checkpointing.check_quantization_state(tree, abstract_state, path, path)
+  checks(features)(tree, abstract_state, f"load_full_state_path={path}")
   try:
     state = ocp.StandardCheckpointer().restore(path, abstract_state)
   except Exception as e:  # pylint: disable=broad-except  # e.g. another optimizer's state
@@ -42,60 +43,66 @@ def load_full_state(path: str, abstract_state):
   return state
 
 
-def load_parameters(config, abstract_params) -> tuple[dict, dict]:
-  """load_parameters_path's params as (base, adapters). The adapters are {} unless the run has LoRA on and the
-  checkpoint holds some (a PEFT adapter read in by convert_checkpoint.py to_maxtext --peft_adapter)."""
+def load_parameters(config, features, abstract_params) -> dict:
+  """load_parameters_path's params, read as the features say (e.g. quantized as they are read).
+  They may lack some of abstract_params' leaves (adapters the checkpoint does not hold): those start from
+  the init."""
   path = config.load_parameters_path
   tree = checkpointing.tree_metadata(path, "load_parameters_path")
-  quantized = config.enable_lora and config.lora_weight_qtype  # QLoRA: the checkpoint's float kernels, quantized
-  wanted = qlora.float_layout(abstract_params, config.weight_dtype) if quantized else abstract_params
-  if not lora_training.split(tree["params"])[1]:
-    wanted = lora_training.split(wanted)[0]  # the adapters start afresh
-  if quantized:
-    loaded = qlora_loading.load(path, tree, wanted, abstract_params, config.param_scan_axis)
-  else:
-    loaded = checkpointing.load_params(path, wanted, config.param_scan_axis)
-  return lora_training.split(loaded)
+
+  def load(wanted):
+    return checkpointing.load_params(path, wanted, config.param_scan_axis)
+
+  for feature in reversed(features):  # the first feature's wrapper outermost
+    load = _wrapped(feature, load, tree)
+  return load(abstract_params)
 
 
-def _base_params(config, abstract_state, init_fn):
-  """The params other than LoRA's adapters (all of them without LoRA): load_parameters_path's, else a fresh init's
-  (the same for a given init_weights_seed)."""
-  if config.load_parameters_path:
-    return load_parameters(config, abstract_state.params)[0]
-  return lora_training.split(init_fn().params)[0]
+def _wrapped(feature, load, tree):
+  return lambda wanted: feature.load_params(load, tree, wanted)
 
 
-def onto_base(config, abstract_state, init_fn, restored):
-  """A checkpoint's (state, data position) restored in lora_training.adapters_only's layout, with the frozen base
-  joined back (load_parameters_path's, else the init's); a whole state as is."""
+def _is_whole(params, abstract_params) -> bool:
+  return len(jax.tree.leaves(params)) == len(jax.tree.leaves(abstract_params))
+
+
+def onto_base(config, features, abstract_state, init_fn, restored):
+  """A checkpoint's (state, data position) with the params it does not hold (the features' `saved` left them out)
+  joined back: load_parameters_path's, else the init's. A whole state as is."""
   state, data_state = restored
-  if lora_training.split(state.params)[0]:
+  if _is_whole(state.params, abstract_state.params):
     return restored
-  base = _base_params(config, abstract_state, init_fn)
-  return state.replace(params=lora_training.join(base, state.params)), data_state
+  base = load_parameters(config, features, abstract_state.params) if config.load_parameters_path else {}
+  if not _is_whole(base, abstract_state.params):
+    base = layer_names.merge(init_fn().params, base)  # a frozen base, without load_parameters_path
+  return state.replace(params=layer_names.merge(base, state.params)), data_state
 
 
-def initial_state(config, manager, abstract_state, init_fn):
+def initial_state(config, features, manager, abstract_state, init_fn):
   """The state to start from, and the data iterator state to resume (None: start the data afresh).
 
   In order: this run's latest good checkpoint; load_full_state_path; load_parameters_path (a fresh state with those
   params); init_fn() (a fresh state).
   """
+  saved = train_state.saved(features, abstract_state)
   if manager is not None:
     tier = "the persistent tier " if config.enable_emergency_checkpoint else ""
-    saved = lora_training.adapters_only(abstract_state)  # a LoRA run saves its adapters, not the frozen base
     reader = single_replica_restore.reader(
       config, saved, checkpointing.STATE_ITEM, {checkpointing.DATA_ITEM: checkpointing.DataIteratorHandler()}
     )
-    restored = checkpointing.restore_latest(manager, saved, tier, reader)
+    restored = checkpointing.restore_latest(manager, saved, tier, reader, checks(features))
     if restored is not None:
-      return onto_base(config, abstract_state, init_fn, restored)
-  if config.load_full_state_path:  # with LoRA, onto load_parameters_path's base
-    saved = lora_training.adapters_only(abstract_state)
-    return onto_base(config, abstract_state, init_fn, (load_full_state(config.load_full_state_path, saved), None))
+      return onto_base(config, features, abstract_state, init_fn, restored)
+  if config.load_full_state_path:
+    state = load_full_state(config.load_full_state_path, features, saved)
+    return onto_base(config, features, abstract_state, init_fn, (state, None))
   if config.load_parameters_path:
     state = init_fn()
-    base, adapters = load_parameters(config, abstract_state.params)
-    return state.replace(params=lora_training.join(base, adapters or lora_training.split(state.params)[1])), None
+    params = load_parameters(config, features, abstract_state.params)
+    return state.replace(params=layer_names.merge(state.params, params)), None
   return init_fn(), None
+
+
+def start(features, state):
+  """The state the loop starts from: each feature's on_start applied (e.g. a copy taken at step 0)."""
+  return feature_protocol.apply_all(features, "on_start", state)

@@ -11,31 +11,41 @@ from MaxText import (
   checkpointing,
   disk_full,
   evaluation,
+  jit_steps,
   max_logging,
   metric_logger,
   metrics_file,
   peer_monitor,
-  pipeline_layout,
   preemption,
   sharding,
-  train_step,
+  train_state,
   wandb_log,
 )
 from MaxText import goodput as goodput_events
 from MaxText.diagnostics import loop as diagnostics_loop
-from MaxText.diagnostics import nonfinite, numerics_log, plots
+from MaxText.diagnostics import nonfinite, plots
 from MaxText.errors import UserError
 
 
 def run_steps(
-  config, mesh, model, state, state_shardings, p_train_step, data_iterator, manager, goodput=None, local_tier=None
+  config,
+  mesh,
+  model,
+  features,
+  state,
+  state_shardings,
+  p_train_step,
+  data_iterator,
+  manager,
+  goodput=None,
+  local_tier=None,
 ):
   """Trains from state.step to config.steps (or an early stop) and returns the last state.
 
   Args:
-    config, mesh, model: the run's (train.py).
-    state: the restored or fresh train state, on state_shardings, in the pipeline's memory order (pipeline_layout);
-      the state returned is in the model's order.
+    config, mesh, model, features: the run's (train.py).
+    state: the restored or fresh train state, on state_shardings, in the order the run holds it (after the features'
+      on_start); the state returned is in the model's order (train_state.logical).
     state_shardings: the state's shardings (the eval step takes the params on theirs).
     p_train_step: the compiled step, called (state, batch) -> (new state, metrics); it donates `state`.
     data_iterator: the train batches; checkpoints save its state.
@@ -43,26 +53,29 @@ def run_steps(
     goodput: the run's goodput.Recorder (steps, saves, evals), or None.
     local_tier: emergency_checkpoint.LocalTier (enable_emergency_checkpoint), or None.
   """
-  loop = StepLoop(config, mesh, model, state, state_shardings, p_train_step, data_iterator, manager, goodput)
+  loop = StepLoop(config, mesh, model, features, state, state_shardings, p_train_step, data_iterator, manager, goodput)
   loop.local_tier = local_tier
-  return pipeline_layout.to_logical(loop.run(state), config)
+  return train_state.logical(features, loop.run(state))
 
 
 class StepLoop:
   """One run of the step loop."""
 
-  def __init__(self, config, mesh, model, state, state_shardings, p_train_step, data_iterator, manager, goodput=None):
+  def __init__(
+    self, config, mesh, model, features, state, state_shardings, p_train_step, data_iterator, manager, goodput=None
+  ):
     self.config, self.mesh, self.data_iterator, self.manager = config, mesh, data_iterator, manager
+    self.features = features
     self.goodput = goodput if goodput is not None else goodput_events.OFF
     self._timing = None  # (step, its start, its data wait): the open step, for goodput's step times
     self.p_train_step = p_train_step
     self.p_eval_step = None
     if config.eval_interval > 0:
-      self.p_eval_step = train_step.jit_eval_step(model, config, mesh, state_shardings)
+      self.p_eval_step = jit_steps.jit_eval_step(model, config, features, mesh, state_shardings)
     self.start_step = int(state.step)
     writer = metric_logger.create_tensorboard_writer(config)
     self.nonfinite = nonfinite.host_check(config, state.params)
-    observers = numerics_log.observers(config, state.params, writer, self.start_step)
+    observers = [o for f in features for o in f.observers(config, state.params, writer, self.start_step)]
     observers += metrics_file.dir_writers(config)
     observers += wandb_log.writers(config)
     self.logger = metric_logger.MetricLogger(config, self.start_step, writer, observers)
@@ -198,8 +211,8 @@ class StepLoop:
     return stop
 
   def _logical(self, state):
-    """The state as checkpoints hold it (a pipelined run holds its layers in another order: pipeline_layout)."""
-    return pipeline_layout.to_logical(state, self.config)
+    """The state as checkpoints hold it: in the model's order, and what the features keep of it."""
+    return train_state.saved(self.features, train_state.logical(self.features, state))
 
   def _save_local(self, step: int, state) -> None:
     """Saves the state after `step` to the local tier (emergency checkpoints)."""

@@ -19,7 +19,8 @@ from MaxText.errors import UserError, run_and_exit_on_user_error  # pylint: disa
 def _log_run_start(config, state) -> None:
   import jax  # pylint: disable=import-outside-toplevel
 
-  from MaxText import flops, lora_training, max_logging  # pylint: disable=import-outside-toplevel
+  from MaxText import flops, max_logging  # pylint: disable=import-outside-toplevel
+  from MaxText.features import lora  # pylint: disable=import-outside-toplevel
 
   device = jax.devices()[0]
   max_logging.log(
@@ -27,7 +28,7 @@ def _log_run_start(config, state) -> None:
     f"process {jax.process_index()} of {jax.process_count()}"
   )
   max_logging.log("Config (value  # source):\n" + config.to_yaml())
-  max_logging.log(f"Number of parameters: {lora_training.describe_size(state.params)}")
+  max_logging.log(f"Number of parameters: {lora.describe_size(state.params)}")
   step_flops = flops.training_tflops_per_device(config)
   max_logging.log(flops.describe(step_flops))
   if jax.default_backend() == "cpu" and step_flops.total_tflops > 1:
@@ -58,15 +59,14 @@ def train_loop(config):
   from MaxText import (
     aot_compile,
     checkpointing,
-    dpo,
     emergency_checkpoint,
     goodput,
     max_logging,
     peer_monitor,
-    pipeline_layout,
     pipeline_schedule,
+    starting_state,
     step_loop,
-    train_state,
+    training_setup,
   )
   from MaxText.evaluation import check_eval_data
   from MaxText.input_pipeline.input_pipeline_interface import create_data_iterator
@@ -80,30 +80,25 @@ def train_loop(config):
   if schedule := pipeline_schedule.resolve(config.get_keys()):
     max_logging.log(schedule.line())
   check_eval_data(config, mesh)  # a wrong eval split, glob or file stops the run now, not at step eval_interval
-  setup = train_state.build(config, mesh)
+  setup = training_setup.build(config, mesh)
   data_iterator = create_data_iterator(config, mesh)  # data and tokenizer mistakes stop the run before the compile
   manager = local_tier = None
   try:
     started = time.perf_counter()
     if config.compiled_trainstep_file:  # compiled ahead of time by train_compile.py
-      p_train_step = aot_compile.load_compiled_train_step(setup.model, config, mesh, setup.abstract_state)
+      p_train_step = aot_compile.load_compiled_train_step(setup, config, mesh)
     else:  # Pre-flight: compile the step and check its memory before the state is allocated or restored.
-      p_train_step = aot_compile.compile_train_step(setup.model, config, mesh, setup.abstract_state)
+      p_train_step = aot_compile.compile_train_step(setup, config, mesh)
     events.phase("compile", time.perf_counter() - started)
     manager = checkpointing.create_checkpoint_manager(config)
     local_tier = emergency_checkpoint.create(config)
     started = time.perf_counter()
     state, data_state = emergency_checkpoint.initial_state(
-      config,
-      manager,
-      local_tier,
-      setup.abstract_state,
-      lambda: train_state.init_train_state(setup.model, setup.tx, config, mesh, setup.state_shardings),
+      config, setup.features, manager, local_tier, setup.abstract_state, lambda: setup.init_state(config, mesh)
     )
     if data_state is not None:
       checkpointing.restore_data_position(config, data_iterator, data_state)
-    state = dpo.with_starting_reference(config, state)  # use_dpo: the params it starts from are the reference
-    state = pipeline_layout.to_memory(state, config)
+    state = starting_state.start(setup.features, state)  # e.g. DPO's reference taken at step 0
     done = int(state.step)
     if done > 0:
       events.phase("restore", time.perf_counter() - started)
@@ -114,7 +109,7 @@ def train_loop(config):
       )
       return state
     _log_run_start(config, state)
-    loop_args = (setup.model, state, setup.state_shardings, p_train_step, data_iterator, manager, events)
+    loop_args = (setup.model, setup.features, state, setup.state_shardings, p_train_step, data_iterator, manager, events)
     return step_loop.run_steps(config, mesh, *loop_args, local_tier=local_tier)
   finally:
     data_iterator.close()

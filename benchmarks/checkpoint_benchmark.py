@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from MaxText import checkpointing, mesh, pyconfig, sharding, train_state, train_step  # noqa: E402
+from MaxText import checkpointing, jit_steps, mesh, pyconfig, sharding, training_setup  # noqa: E402
 from MaxText.errors import run_and_exit_on_user_error  # noqa: E402
 from MaxText.input_pipeline.input_pipeline_interface import create_data_iterator  # noqa: E402
 
@@ -32,10 +32,10 @@ def main(argv) -> None:
   with tempfile.TemporaryDirectory() as out:
     config = pyconfig.initialize([argv[0], *config_argv], run_name="ckpt_benchmark", base_output_directory=out)
     device_mesh = mesh.create_device_mesh(config)
-    setup = train_state.build(config, device_mesh)
-    state = train_state.init_train_state(setup.model, setup.tx, config, device_mesh, setup.state_shardings)
+    setup = training_setup.build(config, device_mesh)
+    state = setup.init_state(config, device_mesh)
     data_iterator = create_data_iterator(config, device_mesh)
-    step_fn = train_step.jit_train_step(setup.model, config, device_mesh, setup.state_shardings)
+    step_fn = jit_steps.jit_train_step(setup.model, config, setup.features, device_mesh, setup.state_shardings)
     with sharding.logical_context(device_mesh, config):
       for _ in range(2):  # a trained state: optimizer moments that are not all zeros (which compress away)
         state, _ = step_fn(state, next(data_iterator))

@@ -42,14 +42,15 @@ def _config(model_args, *args):
 def _save(model_args, path: str) -> None:
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
 
-  from MaxText import lora_training, train_state  # pylint: disable=import-outside-toplevel
+  from MaxText import training_setup  # pylint: disable=import-outside-toplevel
+  from MaxText.features import lora
   from MaxText.mesh import create_device_mesh  # pylint: disable=import-outside-toplevel
 
   config = _config(model_args)
   mesh = create_device_mesh(config)
-  setup = train_state.build(config, mesh)
-  state = train_state.init_train_state(setup.model, setup.tx, config, mesh, setup.state_shardings)
-  ocp.PyTreeCheckpointer().save(path, {"params": lora_training.split(state.params)[0]})
+  setup = training_setup.build(config, mesh)
+  state = setup.init_state(config, mesh)
+  ocp.PyTreeCheckpointer().save(path, {"params": lora.split(state.params)[0]})
 
 
 def _peak_kib() -> int:
@@ -61,19 +62,21 @@ def _peak_kib() -> int:
 def _measure(model_args, path: str, way: str) -> dict:
   import jax  # pylint: disable=import-outside-toplevel
 
-  from MaxText import checkpointing, lora_training, qlora_loading, starting_state, train_state  # pylint: disable=import-outside-toplevel
+  from MaxText import checkpointing, starting_state, training_setup  # pylint: disable=import-outside-toplevel
+  from MaxText.features import lora, qlora_loading  # pylint: disable=import-outside-toplevel
   from MaxText.layers import qlora  # pylint: disable=import-outside-toplevel
   from MaxText.mesh import create_device_mesh  # pylint: disable=import-outside-toplevel
 
   qtype = [] if way == "float" else ["lora_weight_qtype=int8"]
   config = _config(model_args, f"load_parameters_path={path}", *qtype)
-  held = train_state.build(config, create_device_mesh(config)).abstract_state.params
+  setup = training_setup.build(config, create_device_mesh(config))
+  held = setup.abstract_state.params
   before = _peak_kib()
   if way == "whole":
-    float_base = lora_training.split(qlora.float_layout(held, config.weight_dtype))[0]
+    float_base = lora.split(qlora.float_layout(held, config.weight_dtype))[0]
     base = qlora_loading._quantize_all(checkpointing.load_params(path, float_base), held)  # pylint: disable=protected-access
   else:
-    base, _ = starting_state.load_parameters(config, held)
+    base, _ = lora.split(starting_state.load_parameters(config, setup.features, held))
   jax.block_until_ready(base)
   peak = _peak_kib()
   held_bytes = sum(x.nbytes for x in jax.tree.leaves(base))

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402  # pylint: disable=wrong-import-position
 import numpy as np  # noqa: E402  # pylint: disable=wrong-import-position
 
-from MaxText import aot_compile, mesh, pyconfig, sharding, train_state  # noqa: E402  # pylint: disable=wrong-import-position
+from MaxText import aot_compile, mesh, pyconfig, sharding, training_setup  # noqa: E402  # pylint: disable=wrong-import-position
 from MaxText.errors import run_and_exit_on_user_error  # noqa: E402  # pylint: disable=wrong-import-position
 from MaxText.input_pipeline.input_pipeline_interface import create_data_iterator  # noqa: E402  # pylint: disable=wrong-import-position
 
@@ -27,9 +27,9 @@ from MaxText.input_pipeline.input_pipeline_interface import create_data_iterator
 def _compiled(config):
   """(compiled step, fresh state, mesh) of one variant."""
   device_mesh = mesh.create_device_mesh(config)
-  setup = train_state.build(config, device_mesh)
-  step = aot_compile.compile_train_step(setup.model, config, device_mesh, setup.abstract_state)
-  state = train_state.init_train_state(setup.model, setup.tx, config, device_mesh, setup.state_shardings)
+  setup = training_setup.build(config, device_mesh)
+  step = aot_compile.compile_train_step(setup, config, device_mesh)
+  state = setup.init_state(config, device_mesh)
   return step, state, device_mesh
 
 

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402  # pylint: disable=wrong-import-position
 import numpy as np  # noqa: E402  # pylint: disable=wrong-import-position
 
-from MaxText import aot_compile, cli_args, compile_events, flops, jax_runtime, mesh, pyconfig, train_state  # noqa: E402  # pylint: disable=wrong-import-position
+from MaxText import aot_compile, cli_args, compile_events, flops, jax_runtime, mesh, pyconfig, training_setup  # noqa: E402  # pylint: disable=wrong-import-position
 from MaxText.errors import run_and_exit_on_user_error  # noqa: E402  # pylint: disable=wrong-import-position
 from MaxText.input_pipeline.input_pipeline_interface import create_data_iterator  # noqa: E402  # pylint: disable=wrong-import-position
 
@@ -38,9 +38,9 @@ def benchmark(config, steps: int, warmup: int) -> dict:
   (Python, argument handling, dispatch), which the device's work hides only if it is shorter than a step.
   """
   device_mesh = mesh.create_device_mesh(config)
-  setup = train_state.build(config, device_mesh)
-  step_fn = aot_compile.compile_train_step(setup.model, config, device_mesh, setup.abstract_state)
-  state = train_state.init_train_state(setup.model, setup.tx, config, device_mesh, setup.state_shardings)
+  setup = training_setup.build(config, device_mesh)
+  step_fn = aot_compile.compile_train_step(setup, config, device_mesh)
+  state = setup.init_state(config, device_mesh)
   iterator = create_data_iterator(config, device_mesh)
   batch = next(iterator)
   iterator.close()

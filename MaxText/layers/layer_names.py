@@ -101,6 +101,14 @@ def partition(tree: dict, belongs) -> tuple[dict, dict]:
   return part(tree, False), part(tree, True)
 
 
+def merge(a: dict, b: dict) -> dict:
+  """One tree of two whose leaves are apart (partition's two parts, or params and the leaves they lack)."""
+  out = dict(a)
+  for key, value in b.items():
+    out[key] = merge(out.get(key, {}), value) if isinstance(value, dict) else value
+  return out
+
+
 def scan_axis(keys: tuple[str, ...], leaf, config) -> int | None:
   """The axis that stacks the scanned layers in the param (or gradient) at `keys`; None outside the scan.
 

@@ -45,11 +45,14 @@ class Gemm:
       tap(module, inputs, kernel, dimension_numbers, gemm, fp8_scales) (diagnostics.numerics_taps.dot_general);
       None when the run collects none. It acts only where the model is applied with TAP_COLLECTION.
     lora: enable_lora's adapters, on the layers that its module_path selects (layers/lora.py); None: off.
+    scope: the module path that a block applied on its own runs under (a pipelined stack's block is applied
+      functionally, so its own path starts below decoder/<stack>); what selects layers by path sees it whole.
   """
 
   quant: quantizations.Quantization | None = None
   tap: Callable | None = None
   lora: adapters.LoraSpec | None = None
+  scope: tuple[str, ...] = ()
 
   def __call__(self, module, inputs, kernel, dimension_numbers):
     """The GEMM of the DenseGeneral `module`."""
@@ -96,7 +99,7 @@ class DenseGeneral(nn.Module):
       kernel = self.param(
         "kernel", nn.with_logical_partitioning(init, tuple(self.kernel_axes)), kernel_shape, self.weight_dtype
       )
-    adapted = self.gemm.lora is not None and self.gemm.lora.selects(self.path)
+    adapted = self.gemm.lora is not None and self.gemm.lora.selects(self.gemm.scope + tuple(self.path))
     if adapted:
       kernel = jax.lax.stop_gradient(kernel)  # LoRA trains the adapters only: no gradient for the frozen base
     inputs = inputs.astype(self.dtype)

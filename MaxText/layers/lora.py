@@ -14,6 +14,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from MaxText.layers import layer_names
+
 ADAPTER_PARAMS = ("lora_a", "lora_b")
 _UNROLLED = re.compile(r"^layers_\d+$")
 
@@ -39,6 +41,15 @@ class LoraSpec:
 
   def selects(self, path: tuple[str, ...]) -> bool:
     return re.search(self.module_path, module_name(path)) is not None
+
+
+def is_adapter(keys: tuple) -> bool:
+  return bool(keys) and keys[-1] in ADAPTER_PARAMS
+
+
+def split(params) -> tuple[dict, dict]:
+  """(base, adapters): two trees of the params' nesting, each holding only its own leaves."""
+  return layer_names.partition(params, lambda keys, _: is_adapter(keys))
 
 
 def from_config(config) -> LoraSpec | None:

@@ -1,5 +1,6 @@
 """The decoder stack, written once for every family: embed -> (scanned, rematted) blocks -> norm -> logits."""
 
+import dataclasses
 import functools
 
 import flax.linen as nn
@@ -179,7 +180,8 @@ class Decoder(nn.Module):
     block = self._block_stack(stack, cfg.scan_layers)
     schedule = pipeline_schedule.resolve(cfg.get_keys())
     if schedule is not None and not self.is_initializing():
-      layer = self._block_stack(stack, scanned=False)(config=cfg, gemm=self.gemm, parent=None)
+      gemm = dataclasses.replace(self.gemm, scope=(*self.path, stack))  # the block's params sit under decoder/<stack>
+      layer = self._block_stack(stack, scanned=False)(config=cfg, gemm=gemm, parent=None)
       rng = None if deterministic else self.make_rng("dropout")
       params = self.variables["params"][stack]
       return pipeline.run(schedule, layer, params, y, positions, segment_ids, deterministic, rng, cfg)

@@ -44,6 +44,11 @@ CASES = [
   (["dataset_type=c5"], {}, "dataset_type=c5 is not valid; choose one of: embedded, synthetic"),
   (["enable_emergency_checkpoint=true"], {}, "enable_emergency_checkpoint=true needs local_checkpoint_directory"),
   (
+    ["enable_emergency_checkpoint=true", "enable_checkpointing=false"],
+    {},
+    "enable_emergency_checkpoint=true needs enable_checkpointing=true",
+  ),
+  (
     ["enable_emergency_checkpoint=true", "local_checkpoint_directory=/tmp/local"],
     {},
     "enable_emergency_checkpoint=true needs local_checkpoint_period > 0 (it is 0)",

@@ -14,6 +14,7 @@ import transformers
 from safetensors import safe_open
 
 from MaxText import checkpointing
+from MaxText.features import selection
 from MaxText.hf_conversion import converter, logit_check, maxtext_io
 from MaxText.tests.helpers import run_python
 
@@ -198,7 +199,9 @@ def test_step0_training_loss_is_transformers_cross_entropy(converted, family):
     targets_segmentation=ones,
   )
   with jax.default_matmul_precision("float32"):
-    loss, aux = train_step.loss_fn(ours, config, params, batch, jax.random.PRNGKey(0), train=True)
+    loss, aux = train_step.loss_fn(
+      ours, config, selection.for_config(config), params, batch, jax.random.PRNGKey(0), train=True
+    )
   assert float(loss / aux.weights) == pytest.approx(expected, rel=1e-4)
 
 

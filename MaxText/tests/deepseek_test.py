@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import flops, layer_stacking, mesh, params_layout, train_state, train_step
+from MaxText import flops, layer_stacking, mesh, params_layout, train_step, training_setup
 from MaxText.errors import ConfigError
+from MaxText.features import losses, selection
 from MaxText.layers import models, moe
 from MaxText.layers.multi_token_prediction import MTP_LOGITS
 from MaxText.tests.helpers import tiny_config
@@ -58,8 +59,8 @@ def _batch(config, seed=0):
 
 def _state(config):
   device_mesh = mesh.create_device_mesh(config)
-  setup = train_state.build(config, device_mesh)
-  state = train_state.init_train_state(setup.model, setup.tx, config, device_mesh, setup.state_shardings)
+  setup = training_setup.build(config, device_mesh)
+  state = setup.init_state(config, device_mesh)
   return setup, state
 
 
@@ -100,7 +101,7 @@ def test_the_routing_bias_moves_by_its_rule_and_not_by_the_optimizer(accumulatio
     "warmup_steps_fraction=0",
   )
   setup, state = _state(config)
-  step = jax.jit(functools.partial(train_step.train_step, setup.model, config))
+  step = jax.jit(functools.partial(train_step.train_step, setup.model, config, setup.features))
   new_state, _ = step(state, _batch(config))
   moved = _bias(new_state.params) - _bias(state.params)  # (E, L): layers stacked on param_scan_axis 1
   # each expert up or down by the rate (0 at exactly the mean load), and nothing else (no decay, no gradient step)
@@ -119,7 +120,9 @@ def test_without_routed_bias_a_converted_bias_stays_as_it_is():
   params = jax.tree.map(lambda x: x, state.params)
   params["decoder"]["moe_layers"]["MoeBlock_0"]["gate"]["bias"] = bias + 0.3
   state = state.replace(params=params)
-  new_state, _ = jax.jit(functools.partial(train_step.train_step, setup.model, config))(state, _batch(config))
+  new_state, _ = jax.jit(functools.partial(train_step.train_step, setup.model, config, setup.features))(
+    state, _batch(config)
+  )
   np.testing.assert_array_equal(_bias(new_state.params), _bias(state.params))
 
 
@@ -129,9 +132,11 @@ def test_the_sequence_balance_loss_follows_its_weight():
   for weight in (0.0, 0.5):
     config = tiny_config(*DEEPSEEK, f"load_balance_loss_weight={weight}")
     setup, state = _state(config)
-    loss, aux = train_step.loss_fn(setup.model, config, state.params, batch, jax.random.PRNGKey(0), train=True)
+    loss, aux = train_step.loss_fn(
+      setup.model, config, selection.for_config(config), state.params, batch, jax.random.PRNGKey(0), train=True
+    )
     sequence_wise = float(moe.sequence_balance_loss(aux.sown, 8, 2))  # DeepSeek-V3's, not Switch/Mixtral's
-    losses[weight] = (float(loss), float(aux.aux_losses["moe_lb_loss"]), float(aux.weights), sequence_wise)
+    losses[weight] = (float(loss), float(aux.terms["moe_lb_loss"]), float(aux.weights), sequence_wise)
   plain, with_balance = losses[0.0], losses[0.5]
   assert plain[1] == 0.0
   assert 1.0 <= with_balance[3] <= 4.0  # 1 at perfect balance, E/k at the worst
@@ -181,13 +186,13 @@ def test_mtp_loss_counts_the_token_k_ahead_within_a_document():
     return {"intermediates": {"decoder": {MTP_LOGITS: (logits,)}}}
 
   right = 50.0 * jax.nn.one_hot(jnp.roll(targets, -1, axis=1), vocab)  # sure of targets[i + 1]
-  assert float(train_step.mtp_loss(sown(right), batch)) < 1e-6
+  assert float(losses.mtp_loss(sown(right), batch)) < 1e-6
   wrong_where_counted = right.at[0, jnp.array([0, 1, 3])].set(0.0)  # i = 0, 1 (document 1) and 3 (document 2)
   uniform = float(np.log(vocab))
-  assert float(train_step.mtp_loss(sown(wrong_where_counted), batch)) == pytest.approx(uniform, rel=1e-5)
+  assert float(losses.mtp_loss(sown(wrong_where_counted), batch)) == pytest.approx(uniform, rel=1e-5)
   # positions 2 (its target is in document 2), 4 (padding ahead) and 5 (past the end) are not counted
   ignored = right.at[0, jnp.array([2, 4, 5])].set(0.0)
-  assert float(train_step.mtp_loss(sown(ignored), batch)) < 1e-6
+  assert float(losses.mtp_loss(sown(ignored), batch)) < 1e-6
 
 
 def test_mtp_depth_sees_no_token_past_the_one_it_is_given():
@@ -212,10 +217,16 @@ def test_mtp_weight_zero_gives_the_plain_loss_and_no_gradient_to_the_depths():
   config = tiny_config(*DEEPSEEK, "mtp_num_layers=1", "mtp_loss_scaling_factor=0", "load_balance_loss_weight=0")
   setup, state = _state(config)
   batch = _batch(config)
-  loss, aux = train_step.loss_fn(setup.model, config, state.params, batch, jax.random.PRNGKey(0), train=True)
-  plain, _ = train_step.loss_fn(setup.model, config, state.params, batch, jax.random.PRNGKey(0), train=False)
-  assert float(loss) == pytest.approx(float(plain), rel=1e-6) and float(aux.aux_losses["mtp_loss"]) == 0.0
-  grads = jax.grad(lambda p: train_step.loss_fn(setup.model, config, p, batch, jax.random.PRNGKey(0), True)[0])(state.params)
+  loss, aux = train_step.loss_fn(
+    setup.model, config, selection.for_config(config), state.params, batch, jax.random.PRNGKey(0), train=True
+  )
+  plain, _ = train_step.loss_fn(
+    setup.model, config, selection.for_config(config), state.params, batch, jax.random.PRNGKey(0), train=False
+  )
+  assert float(loss) == pytest.approx(float(plain), rel=1e-6) and float(aux.terms["mtp_loss"]) == 0.0
+  grads = jax.grad(
+    lambda p: train_step.loss_fn(setup.model, config, selection.for_config(config), p, batch, jax.random.PRNGKey(0), True)[0]
+  )(state.params)
   assert all(float(jnp.abs(g).max()) == 0.0 for g in jax.tree.leaves(grads["decoder"]["mtp_1"]))
 
 

@@ -12,10 +12,12 @@ import pytest
 import torch  # requirements-test.txt
 import transformers
 
+from MaxText import checkpointing
 from MaxText.errors import ConfigError, UserError
+from MaxText.features import selection
 from MaxText.input_pipeline.dpo import DpoDecoder
 from MaxText.input_pipeline.packing import PackedStream, RandomAccessCursor
-from MaxText.tests.helpers import run_python, tiny_config
+from MaxText.tests.helpers import run_python, run_train, tiny_config
 from MaxText.tests.sft_test import CHATML, _config, _hf_llama, build_chat_tokenizer
 
 # A preference the model can learn: the chosen answers are the right ones.
@@ -132,8 +134,9 @@ def _ours(tokenizer_dir, policy_dir, reference_dir) -> dict:
   config = config.replace(use_dpo=True, dpo_beta=BETA, dpo_label_smoothing=0.0)
   batch = _rows(DpoDecoder(_dpo_config(tokenizer_dir)), PAIRS, 64)
   with jax.default_matmul_precision("float32"):
-    extras = train_step.StepExtras(reference=reference)
-    loss, aux = train_step.loss_fn(model, config, policy, batch, jax.random.PRNGKey(0), True, extras)
+    features = selection.for_config(config)
+    constants = {"dpo": {"params": reference, "collections": {}}}
+    loss, aux = train_step.loss_fn(model, config, features, policy, batch, jax.random.PRNGKey(0), True, None, constants)
   return {"loss": float(loss / aux.weights), **{k: float(v / aux.weights) for k, v in aux.metrics.items()}}
 
 
@@ -277,6 +280,30 @@ def test_dpo_run_learns_the_preference_and_matches_trl(tokenizer_dir, tmp_path):
   _assert_equal_to_trl(eval_after_training, trl)
 
 
+@pytest.mark.slow
+def test_dpo_with_fp8_starts_at_log_2_and_its_margin_rises(tokenizer_dir, tmp_path):
+  """DPO with quantization=fp8, from a fresh init: the reference is the step-0 model with its fp8 scales frozen
+  (the reference_state slot), so step 0's loss is log 2; the reward margin rises over 20 steps; the frozen scales
+  are not the policy's, which move."""
+  train, metrics = run_train(
+    tmp_path,
+    "dpo_fp8",
+    *_dpo_args(tokenizer_dir, _write_pairs(tmp_path / "pairs.jsonl")),
+    "quantization=fp8",
+    "steps=20",
+    "learning_rate=1e-3",
+    "per_device_batch_size=4",
+    "checkpoint_period=19",
+  )
+  assert train.returncode == 0, train.stderr[-3000:]
+  losses, margins = [m["learning/loss"] for m in metrics], [m["dpo/margin"] for m in metrics]
+  assert len(losses) == 20 and losses[0] == pytest.approx(np.log(2), rel=1e-6)
+  assert np.mean(margins[-5:]) > np.mean(margins[:5]) + 0.05, margins
+  assert np.mean(losses[-5:]) < np.mean(losses[:5]), losses
+  tree = checkpointing.tree_metadata(str(tmp_path / "dpo_fp8" / "checkpoints" / "19" / "items"), "the checkpoint")
+  assert {"fp8_meta", "reference_params", "reference_state"} <= set(tree)
+
+
 def _train_dpo(tokenizer_dir, tmp_path, run_name, start, *args):
   """A DPO run of train.py from the converted model `start` on PAIRS x 16, evaluating on PAIRS, in float32 (its
   figures are compared with TRL's in float32); returns (the process, its metrics lines)."""
@@ -352,7 +379,7 @@ def test_a_qlora_dpo_step_moves_the_adapters_only(qtype):
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
-  from MaxText import train_state, train_step  # pylint: disable=import-outside-toplevel
+  from MaxText import train_step, training_setup  # pylint: disable=import-outside-toplevel
   from MaxText.layers import layer_names  # pylint: disable=import-outside-toplevel
   from MaxText.mesh import create_device_mesh  # pylint: disable=import-outside-toplevel
   from MaxText.tests.helpers import token_batch  # pylint: disable=import-outside-toplevel
@@ -361,11 +388,11 @@ def test_a_qlora_dpo_step_moves_the_adapters_only(qtype):
   keys = ("use_dpo=true", "enable_lora=true", "lora_rank=4", f"lora_weight_qtype={qtype}", "warmup_steps_fraction=0")
   config = tiny_config(*keys, "learning_rate=1e-2")
   mesh = create_device_mesh(config)
-  setup = train_state.build(config, mesh)
-  state = train_state.init_train_state(setup.model, setup.tx, config, mesh, setup.state_shardings)
+  setup = training_setup.build(config, mesh)
+  state = setup.init_state(config, mesh)
   state = state.replace(params=_nonzero_b(state.params))  # the policy differs from the reference
   pair = jnp.repeat(jnp.array([1, 2], jnp.int32), 16)[None].repeat(2, axis=0)  # chosen, then rejected, in each row
-  new_state, metrics = jax.jit(lambda s, b: train_step.train_step(setup.model, config, s, b))(
+  new_state, metrics = jax.jit(lambda s, b: train_step.train_step(setup.model, config, setup.features, s, b))(
     state, token_batch(segmentation=pair)
   )
   assert np.isfinite(float(metrics["learning/loss"])) and float(metrics["learning/total_weights"]) == 2

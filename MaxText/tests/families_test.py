@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import layer_stacking, mesh, train_state, train_step
+from MaxText import layer_stacking, mesh, train_step, training_setup
 from MaxText.layers import attention_masks, attentions, block_parts, embeddings, linears, models, normalizations
 from MaxText.tests.helpers import tiny_config
 
@@ -421,8 +421,8 @@ def test_family_scanned_equals_unrolled(family):
 def test_family_train_step(family):
   config = tiny_config(f"decoder_block={family}", *FAMILIES[family], "scan_layers=true")
   device_mesh = mesh.create_device_mesh(config)
-  setup = train_state.build(config, device_mesh)
-  state = train_state.init_train_state(setup.model, setup.tx, config, device_mesh, setup.state_shardings)
+  setup = training_setup.build(config, device_mesh)
+  state = setup.init_state(config, device_mesh)
   tokens, positions, segments = _inputs()
   batch = {
     "inputs": tokens,
@@ -432,7 +432,7 @@ def test_family_train_step(family):
     "targets_position": positions,
     "targets_segmentation": segments,
   }
-  new_state, metrics = jax.jit(functools.partial(train_step.train_step, setup.model, config))(state, batch)
+  new_state, metrics = jax.jit(functools.partial(train_step.train_step, setup.model, config, setup.features))(state, batch)
   assert np.isfinite(float(metrics["learning/loss"]))
   assert float(metrics["learning/raw_grad_norm"]) > 0
   assert int(new_state.step) == 1

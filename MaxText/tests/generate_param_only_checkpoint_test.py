@@ -5,7 +5,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from MaxText import generate_param_only_checkpoint, memory_check, mesh, train_state
+from MaxText import generate_param_only_checkpoint, memory_check, mesh, training_setup
 from MaxText.errors import UserError
 from MaxText.tests.helpers import BASE_YML, run_train, tiny_args, tiny_config
 
@@ -58,7 +58,7 @@ def test_unroll_cast_load_and_stack_back(tmp_path, source):
 
 def test_needs_memory_for_the_params_only(tmp_path, source):
   config = tiny_config()
-  abstract_state = train_state.build(config, mesh.create_device_mesh(config)).abstract_state
+  abstract_state = training_setup.build(config, mesh.create_device_mesh(config)).abstract_state
   params = memory_check.bytes_per_device(abstract_state.params)  # float32, as the conversion reads them
   # A device with room for the params but not for params + Adam state converts; one without room for them refuses.
   assert 2 * params < memory_check.bytes_per_device(abstract_state)

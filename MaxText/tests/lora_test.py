@@ -12,11 +12,11 @@ from MaxText.tests.helpers import BASE_YML, TRAIN_PY, run_python, run_train, tin
 
 
 def _setup(*args):
-  from MaxText import train_state  # pylint: disable=import-outside-toplevel
+  from MaxText import training_setup  # pylint: disable=import-outside-toplevel
   from MaxText.mesh import create_device_mesh  # pylint: disable=import-outside-toplevel
 
   config = tiny_config("enable_lora=true", *args)
-  return config, train_state.build(config, create_device_mesh(config))
+  return config, training_setup.build(config, create_device_mesh(config))
 
 
 def _paths(tree) -> list[str]:
@@ -57,15 +57,15 @@ def test_a_module_path_that_selects_nothing_is_one_line():
 def test_a_step_moves_the_adapters_only():
   import jax  # pylint: disable=import-outside-toplevel
 
-  from MaxText import train_state, train_step  # pylint: disable=import-outside-toplevel
+  from MaxText import train_step  # pylint: disable=import-outside-toplevel
   from MaxText.mesh import create_device_mesh  # pylint: disable=import-outside-toplevel
   from MaxText.tests.helpers import token_batch  # pylint: disable=import-outside-toplevel
 
   config, setup = _setup("learning_rate=1e-2", "warmup_steps_fraction=0")
   mesh = create_device_mesh(config)
-  state = train_state.init_train_state(setup.model, setup.tx, config, mesh, setup.state_shardings)
+  state = setup.init_state(config, mesh)
   state = state.replace(params=_nonzero_b(state.params))  # a trained-looking B, so that A gets a gradient too
-  new_state, _ = jax.jit(lambda s, b: train_step.train_step(setup.model, config, s, b))(state, token_batch())
+  new_state, _ = jax.jit(lambda s, b: train_step.train_step(setup.model, config, setup.features, s, b))(state, token_batch())
   for path, old, new in zip(_paths(state.params), jax.tree.leaves(state.params), jax.tree.leaves(new_state.params)):
     moved = not np.array_equal(np.asarray(old), np.asarray(new))
     assert moved == path.endswith(("/lora_a", "/lora_b")), path
@@ -96,7 +96,11 @@ def _lora_logits(run_dir: str, base_params: str, model_yml: str, tokens: np.ndar
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
-  from MaxText import checkpointing, lora_training, train_state  # pylint: disable=import-outside-toplevel
+  from MaxText import (
+    checkpointing,  # pylint: disable=import-outside-toplevel
+    training_setup,  # pylint: disable=import-outside-toplevel
+  )
+  from MaxText.features import lora  # pylint: disable=import-outside-toplevel
   from MaxText.hf_conversion import converter  # pylint: disable=import-outside-toplevel
 
   run_config, items = converter.load_maxtext_dir(run_dir)
@@ -108,13 +112,13 @@ def _lora_logits(run_dir: str, base_params: str, model_yml: str, tokens: np.ndar
     max_target_length=tokens.shape[1],
     **{k: getattr(run_config, k) for k in keys},
   )
-  model = train_state.create_model(config)
+  model = training_setup.create_model(config)
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
   abstract = jax.eval_shape(lambda: model.init({"params": jax.random.PRNGKey(0)}, tokens, positions))["params"]
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), nn.unbox(abstract))
-  base, adapters = lora_training.split(abstract)
-  params = lora_training.join(
+  base, adapters = lora.split(abstract)
+  params = lora.join(
     checkpointing.load_params(base_params, base, config.param_scan_axis),
     checkpointing.load_params(items, adapters, config.param_scan_axis),
   )
@@ -277,14 +281,14 @@ def test_to_maxtext_reads_a_peft_adapter_and_gives_its_logits(tmp_path):
   # A run started from those params starts from the adapter, not from fresh adapters.
   import jax  # pylint: disable=import-outside-toplevel
 
-  from MaxText import pyconfig, starting_state, train_state  # pylint: disable=import-outside-toplevel
+  from MaxText import pyconfig, starting_state, training_setup  # pylint: disable=import-outside-toplevel
   from MaxText.mesh import create_device_mesh  # pylint: disable=import-outside-toplevel
 
   config = pyconfig.initialize(["t", model_yml, "run_name=t", f"load_parameters_path={out / 'params'}"], environ={})
   mesh = create_device_mesh(config)
-  setup = train_state.build(config, mesh)
-  init = lambda: train_state.init_train_state(setup.model, setup.tx, config, mesh, setup.state_shardings)
-  state, _ = starting_state.initial_state(config, None, setup.abstract_state, init)
+  setup = training_setup.build(config, mesh)
+  init = lambda: setup.init_state(config, mesh)
+  state, _ = starting_state.initial_state(config, setup.features, None, setup.abstract_state, init)
   wo = state.params["decoder"]["layers"]["mlp"]["wo"]
   expected_b = peft_file(adapter)["base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"].T
   np.testing.assert_array_equal(np.take(np.asarray(jax.device_get(wo["lora_b"])), 1, config.param_scan_axis), expected_b)
@@ -312,11 +316,11 @@ def _lora_logits_of_params(model_yml: str, params_dir: str, tokens: np.ndarray) 
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
-  from MaxText import checkpointing, train_state  # pylint: disable=import-outside-toplevel
+  from MaxText import checkpointing, training_setup  # pylint: disable=import-outside-toplevel
   from MaxText.hf_conversion import converter  # pylint: disable=import-outside-toplevel
 
   config = converter.maxtext_config(model_yml, dtype="float32", weight_dtype="float32", max_target_length=tokens.shape[1])
-  model = train_state.create_model(config)
+  model = training_setup.create_model(config)
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
   abstract = jax.eval_shape(lambda: model.init({"params": jax.random.PRNGKey(0)}, tokens, positions))["params"]
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -352,16 +356,17 @@ def test_the_logged_size_is_the_model_and_its_adapters_whatever_the_base_is_held
   """QLoRA's codes count as the weights they hold (nf4: two a byte) and their scales not at all."""
   import jax  # pylint: disable=import-outside-toplevel
 
-  from MaxText import lora_training, train_state  # pylint: disable=import-outside-toplevel
+  from MaxText import training_setup  # pylint: disable=import-outside-toplevel
+  from MaxText.features import lora  # pylint: disable=import-outside-toplevel
   from MaxText.mesh import create_device_mesh  # pylint: disable=import-outside-toplevel
 
   plain = tiny_config()
-  model = sum(x.size for x in jax.tree.leaves(train_state.build(plain, create_device_mesh(plain)).abstract_state.params))
+  model = sum(x.size for x in jax.tree.leaves(training_setup.build(plain, create_device_mesh(plain)).abstract_state.params))
   _, setup = _setup("lora_module_path=decoder/layers/self_attention/query", "lora_rank=4", f"lora_weight_qtype={qtype}")
   adapters = plain.base_num_decoder_layers * (plain.base_emb_dim * 4 + 4 * plain.base_num_query_heads * plain.head_dim)
-  assert lora_training.model_size(setup.abstract_state.params) == (model + adapters, adapters)
+  assert lora.model_size(setup.abstract_state.params) == (model + adapters, adapters)
   share = f"{adapters:,} trainable LoRA adapters ({100 * adapters / (model + adapters):.3f}%)"
-  assert lora_training.describe_size(setup.abstract_state.params).endswith(share)
+  assert lora.describe_size(setup.abstract_state.params).endswith(share)
 
 
 @pytest.mark.slow  # three train.py runs: about 16 s of the unit suite

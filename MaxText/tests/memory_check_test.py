@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from MaxText import aot_compile, memory_check, mesh, train_state
+from MaxText import aot_compile, memory_check, mesh, training_setup
 from MaxText.errors import UserError
 from MaxText.tests.helpers import run_train, tiny_config
 
@@ -39,27 +39,27 @@ def test_the_verdict_names_both_numbers_and_the_advice():
 def test_params_only_callers_need_only_the_params_to_fit():
   config = tiny_config()
   device_mesh = mesh.create_device_mesh(config)
-  abstract_state = train_state.build(config, device_mesh).abstract_state
+  abstract_state = training_setup.build(config, device_mesh).abstract_state
   params = memory_check.bytes_per_device(abstract_state.params)
   assert memory_check.bytes_per_device(abstract_state) > 3 * params  # Adam's two moments, in float32 too
   limit = 2 * params  # room for the params, not for params + optimizer state
-  train_state.build(config, device_mesh, params_only=True, memory_limit_bytes=limit)
+  training_setup.build(config, device_mesh, params_only=True, memory_limit_bytes=limit)
   with pytest.raises(UserError, match=r"the train state \(params and optimizer state\) needs .* MiB per device"):
-    train_state.build(config, device_mesh, memory_limit_bytes=limit)
+    training_setup.build(config, device_mesh, memory_limit_bytes=limit)
   with pytest.raises(UserError, match=r"^the params need .* MiB per device but a .*ici_fsdp_parallelism"):
-    train_state.build(config, device_mesh, params_only=True, memory_limit_bytes=params - 1)
+    training_setup.build(config, device_mesh, params_only=True, memory_limit_bytes=params - 1)
 
 
 def test_the_train_step_preflight_names_the_numbers_and_the_keys():
   config = tiny_config("remat_policy=minimal")
   device_mesh = mesh.create_device_mesh(config)
-  setup = train_state.build(config, device_mesh)
-  compiled = aot_compile.compile_train_step(setup.model, config, device_mesh, setup.abstract_state)
+  setup = training_setup.build(config, device_mesh)
+  compiled = aot_compile.compile_train_step(setup, config, device_mesh)
   peak = memory_check.CompiledMemory.from_analysis(compiled.memory_analysis()).peak_bytes
   assert peak > memory_check.bytes_per_device(setup.abstract_state)  # the step needs more than its arguments
-  aot_compile.compile_train_step(setup.model, config, device_mesh, setup.abstract_state, memory_limit_bytes=peak)
+  aot_compile.compile_train_step(setup, config, device_mesh, memory_limit_bytes=peak)
   with pytest.raises(UserError) as error:
-    aot_compile.compile_train_step(setup.model, config, device_mesh, setup.abstract_state, memory_limit_bytes=peak - 1)
+    aot_compile.compile_train_step(setup, config, device_mesh, memory_limit_bytes=peak - 1)
   message = str(error.value)
   assert message.startswith(f"one train step needs {memory_check.format_bytes(peak)} per device (")
   for hint in ("per_device_batch_size (now 2", "max_target_length (now 32)", "remat_policy=full (now minimal)"):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import aot_compile, mesh, pyconfig, sharding, train_state
+from MaxText import aot_compile, mesh, pyconfig, sharding, training_setup
 from MaxText.errors import ConfigError
 from MaxText.layers import moe_dispatch
 from MaxText.tests.deepseek_test import DEEPSEEK
@@ -127,7 +127,7 @@ def test_the_real_op_compiles_for_a_tpu_topology():
 
 def _expert_weight_shapes(config, device_mesh) -> list[str]:
   """The f32 array shapes in the compiled forward pass of the model (params sharded as in training)."""
-  setup = train_state.build(config, device_mesh, check_memory=False)
+  setup = training_setup.build(config, device_mesh, check_memory=False)
   params = setup.abstract_state.params
   params = jax.tree.map(
     lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, setup.state_shardings.params

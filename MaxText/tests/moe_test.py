@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import layer_stacking, mesh, pyconfig, sharding, train_state, train_step
+from MaxText import layer_stacking, mesh, pyconfig, sharding, train_step, training_setup
+from MaxText.features import selection
 from MaxText.layers import models, moe
 from MaxText.tests.helpers import BASE_YML, run_train, tiny_config
 
@@ -141,7 +142,7 @@ def test_the_loss_adds_the_load_balancing_term_in_every_layer_layout():
   params = None
   for scan, remat in ((False, "none"), (True, "full"), (False, "full")):
     config = tiny_config(*MIXTRAL, f"scan_layers={scan}", f"remat_policy={remat}")
-    model = train_state.create_model(config)
+    model = training_setup.create_model(config)
     batch = _batch(config)
     if params is None:
       init = model.init(jax.random.PRNGKey(0), batch["inputs"], batch["inputs_position"])
@@ -150,12 +151,16 @@ def test_the_loss_adds_the_load_balancing_term_in_every_layer_layout():
     if scan:
       decoder = layer_stacking.stack_layers(params["decoder"], config.num_decoder_layers, config.param_scan_axis)
       layer_params = {**params, "decoder": decoder}
-    terms = jax.jit(lambda p, b, m=model, c=config: train_step.loss_fn(m, c, p, b, jax.random.PRNGKey(0), True))
+    terms = jax.jit(
+      lambda p, b, m=model, c=config: train_step.loss_fn(m, c, selection.for_config(c), p, b, jax.random.PRNGKey(0), True)
+    )
     total, (weights, aux, *_) = terms(layer_params, batch)
     lb = aux["moe_lb_loss"]
     if not results:
-      eval_total, (_, eval_aux, *_) = train_step.loss_fn(model, config, params, batch, jax.random.PRNGKey(0), False)
-      assert float(eval_aux["moe_lb_loss"]) == 0.0  # eval is cross-entropy only
+      eval_total, (_, eval_aux, *_) = train_step.loss_fn(
+        model, config, selection.for_config(config), params, batch, jax.random.PRNGKey(0), False
+      )
+      assert "moe_lb_loss" not in eval_aux  # eval is cross-entropy only
       np.testing.assert_allclose(total - lb, eval_total, rtol=1e-6)
     results[(scan, remat)] = (float(total), float(lb) / float(weights))
   (_, lb_weighted), *_ = results.values()

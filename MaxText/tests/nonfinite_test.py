@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import aot_compile, mesh, sharding, step_loop, train_state
+from MaxText import aot_compile, mesh, sharding, step_loop, training_setup
 from MaxText.diagnostics import nonfinite
 from MaxText.layers import layer_names
 from MaxText.tests.helpers import run_train, tiny_config, token_batch
@@ -30,11 +30,11 @@ def setup():
   """The real compiled step (nonfinite_action=abort) and a fresh state whose layer 1 has a NaN weight."""
   config = tiny_config("nonfinite_action=abort")
   device_mesh = mesh.create_device_mesh(config)
-  built = train_state.build(config, device_mesh)
-  step = aot_compile.compile_train_step(built.model, config, device_mesh, built.abstract_state)
+  built = training_setup.build(config, device_mesh)
+  step = aot_compile.compile_train_step(built, config, device_mesh)
 
   def poisoned_state():
-    state = train_state.init_train_state(built.model, built.tx, config, device_mesh, built.state_shardings)
+    state = built.init_state(config, device_mesh)
     params = jax.device_put(_with_nan_in_layer_1(state.params, config), built.state_shardings.params)
     return state.replace(params=params)
 
@@ -61,7 +61,7 @@ def test_the_step_keeps_the_state_and_locates_the_nan_layer(setup):
 
 def test_a_finite_step_reports_nothing_and_updates(setup):
   config, device_mesh, built, step, _ = setup
-  state = train_state.init_train_state(built.model, built.tx, config, device_mesh, built.state_shardings)
+  state = built.init_state(config, device_mesh)
   with sharding.logical_context(device_mesh, config):
     new_state, metrics = step(state, jax.device_put(token_batch(), sharding.data_sharding(config, device_mesh)))
   assert float(metrics[nonfinite.SKIPPED]) == 0.0 and int(metrics[nonfinite.REPORT]["first_param"]) == -1
@@ -92,7 +92,7 @@ def test_the_loop_aborts_or_skips_naming_the_layer(setup, action, capsys):
   config = config.replace(nonfinite_action=action, steps=3)  # abort and skip compile to the same step
   batches = iter([jax.device_put(token_batch(), sharding.data_sharding(config, device_mesh))] * 3)
   run = lambda: step_loop.run_steps(
-    config, device_mesh, built.model, poisoned_state(), built.state_shardings, step, batches, None
+    config, device_mesh, built.model, built.features, poisoned_state(), built.state_shardings, step, batches, None
   )  # pylint: disable=protected-access,unnecessary-lambda-assignment
   if action == "abort":
     with pytest.raises(nonfinite.NonFiniteError) as error:
@@ -116,8 +116,8 @@ def test_train_py_with_a_nan_in_the_loaded_params(tmp_path, action):
 
   config = tiny_config()
   device_mesh = mesh.create_device_mesh(config)
-  built = train_state.build(config, device_mesh)
-  params = train_state.init_train_state(built.model, built.tx, config, device_mesh, built.state_shardings).params
+  built = training_setup.build(config, device_mesh)
+  params = built.init_state(config, device_mesh).params
   checkpointer = ocp.StandardCheckpointer()
   checkpointer.save(tmp_path / "nan_params", {"params": jax.device_get(_with_nan_in_layer_1(params, config))})
   checkpointer.wait_until_finished()

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 from jax import lax
 
-from MaxText import aot_compile, compiled_step_file, layer_stacking, mesh, sharding, train_state, train_step
+from MaxText import aot_compile, compiled_step_file, layer_stacking, mesh, sharding, train_step, training_setup
 from MaxText.diagnostics import numerics_config, numerics_log, numerics_stats, numerics_taps
 from MaxText.errors import ConfigError
+from MaxText.features import selection
 from MaxText.layers import layer_names, linears, models
 from MaxText.list_layers import layer_lines
 from MaxText.tests.helpers import TRAIN_PY, run_python, tiny_args, tiny_config, token_batch
@@ -91,7 +92,7 @@ def test_layer_names_of_scanned_and_unrolled_params_agree(tmp_path):
   names = {}
   for scan in (True, False):
     config = tiny_config(f"scan_layers={scan}")
-    params = train_state.build(config, mesh.create_device_mesh(config), check_memory=False).abstract_state.params
+    params = training_setup.build(config, mesh.create_device_mesh(config), check_memory=False).abstract_state.params
     names[scan] = [
       (layer.name, layer.type, layer.number, layer.kernel_shape) for layer in layer_names.dense_layers(params, config)
     ]
@@ -256,7 +257,7 @@ def _batch():
 def _reference(config, params, batch, module_path):
   """The input, kernel and loss gradient w.r.t. the output of one DenseGeneral, from the model's own forward pass
   (unrolled layers, float32), with the output's gradient taken by jax.grad through an added perturbation."""
-  model = train_state.create_model(config)
+  model = training_setup.create_model(config)
   taken = {}
 
   def loss(perturbation):
@@ -268,7 +269,9 @@ def _reference(config, params, batch, module_path):
       return out
 
     with nn.intercept_methods(interceptor):
-      total, (weights, *_) = train_step.loss_fn(model, config, params, batch, jax.random.PRNGKey(0), True)
+      total, (weights, *_) = train_step.loss_fn(
+        model, config, selection.for_config(config), params, batch, jax.random.PRNGKey(0), True
+      )
     return total / weights, dict(taken)
 
   output = jax.eval_shape(loss, 0.0)[1]["output"]
@@ -300,10 +303,10 @@ def _numpy_stats(x, tensor):
 def _run_steps(config, steps: int):
   """The real compiled train step on a fresh state for `steps` steps: (params before step 0, metrics per step)."""
   device_mesh = mesh.create_device_mesh(config)
-  setup = train_state.build(config, device_mesh)
-  state = train_state.init_train_state(setup.model, setup.tx, config, device_mesh, setup.state_shardings)
+  setup = training_setup.build(config, device_mesh)
+  state = setup.init_state(config, device_mesh)
   params = jax.device_get(state.params)
-  step = aot_compile.compile_train_step(setup.model, config, device_mesh, setup.abstract_state)
+  step = aot_compile.compile_train_step(setup, config, device_mesh)
   batch = jax.device_put(_batch(), sharding.data_sharding(config, device_mesh))
   metrics = []
   with sharding.logical_context(device_mesh, config):
@@ -329,7 +332,9 @@ def collected(request, tmp_path_factory):
 
 def test_statistics_equal_those_of_the_same_tensors_outside_the_step(collected):
   config, metrics, references = collected
-  plan = numerics_stats.create_plan(config, train_state.build(config, mesh.create_device_mesh(config)).abstract_state.params)
+  plan = numerics_stats.create_plan(
+    config, training_setup.build(config, mesh.create_device_mesh(config)).abstract_state.params
+  )
   rows = plan.rows(0, metrics[0][numerics_stats.METRICS_KEY])
   assert {row["layer"] for row in rows} == {"decoder.layers.1.self_attention.out", "decoder.layers.1.mlp.wo"}
   assert len(rows) == 2 * 3 * len(ALL_STATS)
@@ -389,8 +394,8 @@ def test_microbatches_combine_to_the_whole_batch_statistics():
 
 def _compiled_hlo(config) -> str:
   device_mesh = mesh.create_device_mesh(config)
-  setup = train_state.build(config, device_mesh)
-  hlo = aot_compile.lower_train_step(setup.model, config, device_mesh, setup.abstract_state).compile().as_text()
+  setup = training_setup.build(config, device_mesh)
+  hlo = aot_compile.lower_train_step(setup, config, device_mesh).compile().as_text()
   hlo = re.sub(r", metadata=\{[^}]*\}", "", hlo)  # source lines
   return re.sub(r"(?m)^(FileNames|FunctionNames|FileLocations|StackFrames)\n(.+\n)*\n?", "", hlo)
 
@@ -423,7 +428,7 @@ def test_the_compiled_step_signature_holds_the_files_content_not_its_path(tmp_pa
 def test_the_run_writes_statistics_lines_tensorboard_and_debug_logs(tmp_path):
   path = _write(tmp_path, STATS_YAML)
   config = tiny_config(f"numerics_debug_config={path}", tmp_path=tmp_path)
-  params = train_state.build(config, mesh.create_device_mesh(config)).abstract_state.params
+  params = training_setup.build(config, mesh.create_device_mesh(config)).abstract_state.params
 
   class Writer:
     scalars = []

@@ -216,12 +216,12 @@ def test_a_pipelined_checkpoint_decodes_as_the_one_device_run(report):
 
 COMPILE = """
 import jax
-from MaxText import aot_compile, mesh, train_state
+from MaxText import aot_compile, mesh, training_setup
 from MaxText.tests.helpers import tiny_config
 config = tiny_config({args})
 device_mesh = mesh.create_device_mesh(config)
-setup = train_state.build(config, device_mesh)
-text = aot_compile.lower_train_step(setup.model, config, device_mesh, setup.abstract_state).compile().as_text()
+setup = training_setup.build(config, device_mesh)
+text = aot_compile.lower_train_step(setup, config, device_mesh).compile().as_text()
 print("collective-permutes:", text.count("collective-permute-start") + text.count(" collective-permute("))
 """
 

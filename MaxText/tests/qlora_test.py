@@ -103,13 +103,13 @@ def test_nf4_blocks_along_the_input_axis_with_the_largest_factor_of_64():
 
 
 def _setup(*args):
-  from MaxText import train_state  # pylint: disable=import-outside-toplevel
+  from MaxText import training_setup  # pylint: disable=import-outside-toplevel
   from MaxText.mesh import create_device_mesh  # pylint: disable=import-outside-toplevel
   from MaxText.tests.helpers import tiny_config  # pylint: disable=import-outside-toplevel
 
   config = tiny_config("enable_lora=true", "lora_module_path=decoder/layers/self_attention/(query|value)", *args)
   mesh = create_device_mesh(config)
-  return config, mesh, train_state.build(config, mesh)
+  return config, mesh, training_setup.build(config, mesh)
 
 
 @pytest.mark.parametrize("qtype", qlora.QTYPES)
@@ -132,14 +132,14 @@ def test_a_qlora_state_holds_every_dense_kernel_quantized_and_adam_only_the_adap
 def _losses(config, mesh, setup, float_params, steps: int = 3) -> list[float]:
   import jax  # pylint: disable=import-outside-toplevel
 
-  from MaxText import train_state, train_step  # pylint: disable=import-outside-toplevel
+  from MaxText import train_step  # pylint: disable=import-outside-toplevel
   from MaxText.tests.helpers import token_batch  # pylint: disable=import-outside-toplevel
 
-  state = train_state.init_train_state(setup.model, setup.tx, config, mesh, setup.state_shardings)
+  state = setup.init_state(config, mesh)
   held = setup.abstract_state.params  # quantized as starting_state does: codes and scales sharded as the run holds them
   quantize = jax.jit(lambda p: qlora.quantize_params(p, held), out_shardings=setup.state_shardings.params)
   state = state.replace(params=quantize(float_params))
-  step = jax.jit(lambda s, b: train_step.train_step(setup.model, config, s, b))
+  step = jax.jit(lambda s, b: train_step.train_step(setup.model, config, setup.features, s, b))
   losses = []
   for _ in range(steps):
     state, metrics = step(state, token_batch(rows=config.global_batch_size_to_train_on))
@@ -149,11 +149,10 @@ def _losses(config, mesh, setup, float_params, steps: int = 3) -> list[float]:
 
 @pytest.mark.parametrize("qtype", qlora.QTYPES)
 def test_lora_on_a_quantized_base_trains_like_lora_on_the_float_base(qtype):
-  from MaxText import train_state  # pylint: disable=import-outside-toplevel
 
   args = ("learning_rate=1e-2", "warmup_steps_fraction=0")
   config, mesh, setup = _setup(*args)
-  float_params = train_state.init_train_state(setup.model, setup.tx, config, mesh, setup.state_shardings).params
+  float_params = setup.init_state(config, mesh).params
   reference = _losses(config, mesh, setup, float_params)
   q_config, q_mesh, q_setup = _setup(f"lora_weight_qtype={qtype}", *args)
   quantized = _losses(q_config, q_mesh, q_setup, float_params)
@@ -168,14 +167,13 @@ def sharded_nf4_report() -> None:
 
   import jax  # pylint: disable=import-outside-toplevel
 
-  from MaxText import train_state  # pylint: disable=import-outside-toplevel
   from MaxText.layers import layer_names  # pylint: disable=import-outside-toplevel
 
   # embed and mlp wide enough that nf4's scales (a value per 64) split too: 256 / 64 over fsdp, 128 / 64 over tensor
   args = ("base_emb_dim=256", "base_mlp_dim=128", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2")
   args += ("learning_rate=1e-2", "warmup_steps_fraction=0")
   config, mesh, setup = _setup(*args)
-  float_params = train_state.init_train_state(setup.model, setup.tx, config, mesh, setup.state_shardings).params
+  float_params = setup.init_state(config, mesh).params
   q_config, q_mesh, q_setup = _setup("lora_weight_qtype=nf4", *args)
   floats = dict(layer_names.flatten(qlora.float_layout(q_setup.abstract_state.params, "float32")))
   kernels = {
@@ -254,12 +252,13 @@ def test_the_float_base_is_quantized_one_kernel_at_a_time_as_it_loads(tmp_path, 
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
 
   # pylint: disable=import-outside-toplevel
-  from MaxText import checkpointing, lora_training, qlora_loading, starting_state, train_state
+  from MaxText import checkpointing, starting_state
+  from MaxText.features import lora, qlora_loading
 
   config, mesh, setup = _setup()
-  state = train_state.init_train_state(setup.model, setup.tx, config, mesh, setup.state_shardings)
+  state = setup.init_state(config, mesh)
   path = str(tmp_path / "params")
-  ocp.PyTreeCheckpointer().save(path, {"params": lora_training.split(state.params)[0]})
+  ocp.PyTreeCheckpointer().save(path, {"params": lora.split(state.params)[0]})
   del state
   gc.collect()
   q_config, _, q_setup = _setup("lora_weight_qtype=int8", f"load_parameters_path={path}")
@@ -276,9 +275,9 @@ def test_the_float_base_is_quantized_one_kernel_at_a_time_as_it_loads(tmp_path, 
     return quantize(kernel, held_layer)
 
   monkeypatch.setattr(qlora_loading, "_quantize", counting)
-  base, adapters = starting_state.load_parameters(q_config, held)
+  base, adapters = lora.split(starting_state.load_parameters(q_config, q_setup.features, held))
   assert not adapters and alive == [1] * len(alive) and len(alive) == 7  # q, k, v, o, wi_0, wi_1, wo
-  whole = checkpointing.load_params(path, lora_training.split(qlora.float_layout(held, "float32"))[0])
+  whole = checkpointing.load_params(path, lora.split(qlora.float_layout(held, "float32"))[0])
   expected = qlora_loading._quantize_all(whole, held)  # pylint: disable=protected-access
   for got, want in zip(jax.tree.leaves(base), jax.tree.leaves(expected), strict=True):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -13,7 +13,7 @@ import orbax.checkpoint as ocp
 import pytest
 from jax import lax
 
-from MaxText import aot_compile, mesh, sharding, train_state
+from MaxText import aot_compile, mesh, sharding, training_setup
 from MaxText.errors import ConfigError
 from MaxText.layers import kv_cache, linears, quantizations
 from MaxText.tests import decode_test, kill_resume_test
@@ -120,7 +120,7 @@ def test_the_yaml_selects_gemms_layers_and_scaling():
 def _dense_outputs(*args):
   """Every DenseGeneral output of the tiny model's forward pass (scanned ones stacked by layer)."""
   config = tiny_config(*args)
-  model = train_state.create_model(config)
+  model = training_setup.create_model(config)
   tokens = jnp.asarray(np.random.default_rng(0).integers(1, config.vocab_size, (2, config.max_target_length)), jnp.int32)
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
   params = model.init({"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(0)}, tokens, positions)["params"]
@@ -155,9 +155,9 @@ def _train(*args, steps: int):
   """Losses of `steps` train steps on one repeated batch, and the final state."""
   config = tiny_config("learning_rate=1e-2", "warmup_steps_fraction=0", *args)
   device_mesh = mesh.create_device_mesh(config)
-  setup = train_state.build(config, device_mesh)
-  state = train_state.init_train_state(setup.model, setup.tx, config, device_mesh, setup.state_shardings)
-  step = aot_compile.compile_train_step(setup.model, config, device_mesh, setup.abstract_state)
+  setup = training_setup.build(config, device_mesh)
+  state = setup.init_state(config, device_mesh)
+  step = aot_compile.compile_train_step(setup, config, device_mesh)
   shape = (config.global_batch_size_to_load, config.max_target_length)
   tokens = np.random.default_rng(0).integers(1, 64, shape).astype(np.int32)
   positions = np.broadcast_to(np.arange(shape[1], dtype=np.int32), shape)
@@ -200,7 +200,7 @@ def test_a_quantized_run_tracks_the_bf16_run_for_50_steps(bf16_run, mode):
   assert distance.max() < LOSS_TOLERANCE[mode], f"max relative distance {distance.max():.4f} at step {distance.argmax()}"
   assert not np.array_equal(losses, reference)  # it is quantized
   if mode == "fp8":  # the state moved: histories hold amaxes, the scales follow them
-    meta = state.fp8_meta["decoder"]["layers"]["mlp"]["wo"]
+    meta = state.slots["fp8_meta"]["decoder"]["layers"]["mlp"]["wo"]
     assert meta["input_amax_history"].shape == (2, 1024) and float(jnp.min(meta["input_amax_history"][:, 0])) > 0
     assert float(jnp.max(jnp.abs(meta["kernel_scale"] - 1))) > 0
 
@@ -210,7 +210,7 @@ def test_fp8_state_is_not_optimized_clipped_or_decayed():
   tensors: a history's newest amax is that tensor's amax, and the scale is the previous history's."""
   losses, state = _train("quantization=fp8", "gradient_clipping_threshold=1e-3", "adam_weight_decay=0.5", steps=2)
   assert np.isfinite(losses).all()
-  meta = jax.tree.map(np.asarray, state.fp8_meta["decoder"]["layers"]["mlp"]["wo"])
+  meta = jax.tree.map(np.asarray, state.slots["fp8_meta"]["decoder"]["layers"]["mlp"]["wo"])
   history = meta["kernel_amax_history"]  # (layers, length), rolled as flax's: [step 1's amax, 0, ..., step 0's]
   assert (history[:, 1:-1] == 0).all() and (history[:, [0, -1]] > 0).all()
   kernel = np.asarray(state.params["decoder"]["layers"]["mlp"]["wo"]["kernel"])  # (mlp, layers, embed)
@@ -235,10 +235,12 @@ def test_gradient_accumulation_combines_the_fp8_state(tmp_path):
   args = ("quantization=fp8", f"numerics_debug_config={_write(tmp_path, ALL_LAYERS_HIGH)}")
   _, whole = _train(*args, "per_device_batch_size=2", steps=1)
   _, accumulated = _train(*args, "per_device_batch_size=1", "gradient_accumulation_steps=2", steps=1)  # the same 2 rows
-  leaves = jax.tree_util.tree_flatten_with_path(whole.fp8_meta)[0]
-  for (path, a), b in zip(leaves, jax.tree.leaves(accumulated.fp8_meta)):
+  leaves = jax.tree_util.tree_flatten_with_path(whole.slots["fp8_meta"])[0]
+  for (path, a), b in zip(leaves, jax.tree.leaves(accumulated.slots["fp8_meta"])):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, err_msg=jax.tree_util.keystr(path))
-  assert np.all(np.asarray(accumulated.fp8_meta["decoder"]["layers"]["mlp"]["wo"]["output_grad_amax_history"])[:, 0] > 0)
+  assert np.all(
+    np.asarray(accumulated.slots["fp8_meta"]["decoder"]["layers"]["mlp"]["wo"]["output_grad_amax_history"])[:, 0] > 0
+  )
 
 
 @pytest.mark.slow
@@ -288,7 +290,7 @@ def test_fp8_statistics_count_the_real_casts_of_the_quantized_gemms(tmp_path):
   rows = {}
   for name, cfg in (("fp8", config), ("plain", plain_config)):
     _, metrics = _run_steps(cfg, steps=1)
-    plan = numerics_stats.create_plan(cfg, train_state.build(cfg, mesh.create_device_mesh(cfg)).abstract_state.params)
+    plan = numerics_stats.create_plan(cfg, training_setup.build(cfg, mesh.create_device_mesh(cfg)).abstract_state.params)
     rows[name] = {
       (r["layer"], r["tensor"], r["stat"]): r["value"] for r in plan.rows(0, metrics[0][numerics_stats.METRICS_KEY])
     }
@@ -306,8 +308,8 @@ def test_fp8_statistics_count_the_real_casts_of_the_quantized_gemms(tmp_path):
 
 def _initial_kernel(config):
   device_mesh = mesh.create_device_mesh(config)
-  setup = train_state.build(config, device_mesh)
-  state = train_state.init_train_state(setup.model, setup.tx, config, device_mesh, setup.state_shardings)
+  setup = training_setup.build(config, device_mesh)
+  state = setup.init_state(config, device_mesh)
   return state.params["decoder"]["layers"]["self_attention"]["query"]["kernel"][:, 0]
 
 
@@ -345,7 +347,7 @@ def test_int8_kv_cache_decoding_stays_close_to_the_bf16_cache(axis):
 
 def test_the_decode_cache_is_int8_with_its_scales():
   config = tiny_config(*decode_test.DECODE_KEYS, "quantize_kvcache=true")
-  model = train_state.create_model(config)
+  model = training_setup.create_model(config)
   tokens = jnp.ones((2, 8), jnp.int32)
   positions = jnp.broadcast_to(jnp.arange(8), (2, 8))
   params = model.init({"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(0)}, tokens, positions)["params"]
@@ -376,35 +378,37 @@ def test_bad_quantization_keys_are_one_config_error(arg, message):
 def test_unquantized_models_have_no_quantization_state():
   config = tiny_config()
   assert quantizations.from_config(config) is None
-  setup = train_state.build(config, mesh.create_device_mesh(config))
+  setup = training_setup.build(config, mesh.create_device_mesh(config))
   assert not hasattr(setup.abstract_state, "fp8_meta")
 
 
 def test_resuming_across_a_change_of_fp8_is_one_clear_error():
-  from MaxText import checkpointing  # pylint: disable=import-outside-toplevel
+  from MaxText import starting_state  # pylint: disable=import-outside-toplevel
   from MaxText.errors import UserError  # pylint: disable=import-outside-toplevel
 
-  def abstract(*args):
+  def built(*args):
     config = tiny_config(*args)
-    return train_state.build(config, mesh.create_device_mesh(config)).abstract_state
+    return training_setup.build(config, mesh.create_device_mesh(config))
 
-  fp8, plain = abstract("quantization=fp8"), abstract()
-  with pytest.raises(UserError, match=r"holds the fp8 state of quantization=fp8, which this run does not use: resume "):
-    checkpointing.check_quantization_state({"params": {}, "fp8_meta": {}}, plain, "ck/5", "ck/5/items")
+  fp8, plain = built("quantization=fp8"), built()
+  fp8_check, plain_check = starting_state.checks(fp8.features), starting_state.checks(plain.features)
+  params = plain.abstract_state.params
+  with pytest.raises(UserError, match=r"holds the train state of a feature this run does not use \(fp8_meta\): resume "):
+    plain_check({"params": params, "fp8_meta": {}}, plain.abstract_state, "ck/5")
   with pytest.raises(UserError, match=r"holds no fp8 state.*\(load_parameters_path=ck/5/items\)"):
-    checkpointing.check_quantization_state({"params": {}}, fp8, "ck/5", "ck/5/items")
-  checkpointing.check_quantization_state({"params": {}, "fp8_meta": fp8.fp8_meta}, fp8, "ck/5", "ck/5/items")
-  checkpointing.check_quantization_state({"params": {}}, plain, "ck/5", "ck/5/items")
-  shorter = abstract("quantization=fp8", "fp8_amax_history_length=16").fp8_meta
+    fp8_check({"params": params}, fp8.abstract_state, "ck/5")
+  fp8_check({"params": params, "fp8_meta": fp8.abstract_state.slots["fp8_meta"]}, fp8.abstract_state, "ck/5")
+  plain_check({"params": params}, plain.abstract_state, "ck/5")
+  shorter = built("quantization=fp8", "fp8_amax_history_length=16").abstract_state.slots["fp8_meta"]
   with pytest.raises(UserError, match=r"saved with fp8_amax_history_length=16, .*: resume with fp8_amax_history_length=16"):
-    checkpointing.check_quantization_state({"params": {}, "fp8_meta": shorter}, fp8, "ck/5", "ck/5/items")
+    fp8_check({"params": params, "fp8_meta": shorter}, fp8.abstract_state, "ck/5")
 
 
 def test_list_layers_says_how_each_layer_runs(tmp_path):
   from MaxText import list_layers  # pylint: disable=import-outside-toplevel
 
   config = tiny_config("quantization=fp8", f"numerics_debug_config={_write(tmp_path, FIRST_LAYER_HIGH)}")
-  params = train_state.build(config, mesh.create_device_mesh(config), params_only=True).abstract_state.params
+  params = training_setup.build(config, mesh.create_device_mesh(config), params_only=True).abstract_state.params
   header, *listing = list_layers.layer_lines(config, params)
   lines = {line.split()[0]: " ".join(line.split()) for line in listing}
   column = header.index("quantization")  # the columns line up whatever the kernel shapes' widths

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from MaxText import train_state, train_step
+from MaxText import train_step, training_setup
+from MaxText.features import selection
 from MaxText.tests.helpers import tiny_config, token_batch
 
 _QKV = {"query_proj", "key_proj", "value_proj"}
@@ -18,14 +19,14 @@ _QKV = {"query_proj", "key_proj", "value_proj"}
 def _saved_residuals(policy: str) -> str:
   """jax.ad_checkpoint.print_saved_residuals of the loss of the unrolled tiny model under `policy`."""
   config = tiny_config("scan_layers=false", f"remat_policy={policy}")
-  model = train_state.create_model(config)
+  model = training_setup.create_model(config)
   batch = token_batch(2, 32, 0, jnp.ones((2, 32), jnp.int32))
   rngs = {"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(0)}
   inputs = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
   params = jax.eval_shape(lambda: model.init(rngs, *inputs))["params"]
 
   def loss(p):
-    return train_step.loss_fn(model, config, p, batch, jax.random.PRNGKey(0), True)[0]
+    return train_step.loss_fn(model, config, selection.for_config(config), p, batch, jax.random.PRNGKey(0), True)[0]
 
   out = io.StringIO()
   with contextlib.redirect_stdout(out):

@@ -14,6 +14,7 @@ import torch  # requirements-test.txt
 import transformers
 
 from MaxText.errors import ConfigError, UserError
+from MaxText.features import selection
 from MaxText.input_pipeline import sft
 from MaxText.input_pipeline.chat_template import ChatRenderer
 from MaxText.input_pipeline.packing import PackedStream, RandomAccessCursor
@@ -282,7 +283,9 @@ def test_step0_sft_loss_equals_transformers_masked_cross_entropy(tokenizers_dir,
     os.path.join(tmp_path / "maxtext", converter.MODEL_YML), os.path.join(tmp_path / "maxtext", converter.PARAMS_DIR), length
   )
   with jax.default_matmul_precision("float32"):
-    loss, aux = train_step.loss_fn(model, config, params, batch, jax.random.PRNGKey(0), train=True)
+    loss, aux = train_step.loss_fn(
+      model, config, selection.for_config(config), params, batch, jax.random.PRNGKey(0), train=True
+    )
   ours = float(loss / aux.weights)
   print(f"\nSFT step-0 loss: ours {ours:.6f}, transformers {expected:.6f}, relative {abs(ours - expected) / expected:.2e}")
   assert ours == pytest.approx(expected, rel=1e-4)

@@ -2,11 +2,12 @@
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python3 -m MaxText.tests.sharded_runs RUNS.json REPORT.json
 
-RUNS.json is a list of {"name", "devices", "args", "decode", "probes"}: `devices` (1 or all) picks the
+RUNS.json is a list of {"name", "devices", "args", "decode", "probes", "may_refuse"}: `devices` (1 or all) picks the
 first devices of jax.devices() for pyconfig and the mesh, so a 1-device baseline and the 8-device layouts
 share one JAX start-up and one compilation cache; `args` are base.yml overrides; `decode` runs decoding.generate
 instead of train.train_loop; `probes` name the modules (paths such as decoder/layers/self_attention/query)
-whose output sharding to report. Decoded logits go to REPORT.json.<name>.npy. Used by multi_device_test.py.
+whose output sharding to report; `may_refuse` reports a run's UserError as {"refused": its line}. Decoded logits
+go to REPORT.json.<name>.npy. Used by multi_device_test.py.
 """
 
 import json
@@ -20,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from MaxText import decoding, jax_runtime, mesh, pyconfig, sharding, train, train_state
+from MaxText import decoding, jax_runtime, mesh, pyconfig, sharding, train, training_setup
+from MaxText.errors import UserError
 from MaxText.tests.helpers import BASE_YML, TEST_JAX_CACHE_DIR, read_metrics
 
 PROMPT = [1, 5, 9, 200, 7, 31]
@@ -94,7 +96,9 @@ def train_run(config, probes) -> dict:
   }
   if probes:
     abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state.params)
-    report["activations"] = activation_shards(train_state.create_model(config), config, device_mesh, abstract_params, probes)
+    report["activations"] = activation_shards(
+      training_setup.create_model(config), config, device_mesh, abstract_params, probes
+    )
   return report
 
 
@@ -133,12 +137,17 @@ def main(runs_path: str, report_path: str) -> None:
   for run in runs:
     # A config made for the first devices: create_device_mesh lays its mesh over those.
     devices = jax.devices()[: run["devices"]]
-    config = pyconfig.initialize(["sharded_runs", BASE_YML, *run["args"]], environ={}, devices=devices)
     start = time.perf_counter()
-    if run.get("decode"):
-      report[run["name"]] = decode_run(config, f"{report_path}.{run['name']}.npy")
-    else:
-      report[run["name"]] = train_run(config, run.get("probes", ()))
+    try:
+      config = pyconfig.initialize(["sharded_runs", BASE_YML, *run["args"]], environ={}, devices=devices)
+      if run.get("decode"):
+        report[run["name"]] = decode_run(config, f"{report_path}.{run['name']}.npy")
+      else:
+        report[run["name"]] = train_run(config, run.get("probes", ()))
+    except UserError as refusal:  # a run that may be refused reports its one line
+      if not run.get("may_refuse"):
+        raise
+      report[run["name"]] = {"refused": str(refusal)}
     report[run["name"]]["seconds"] = time.perf_counter() - start
   with open(report_path, "w", encoding="utf-8") as f:
     json.dump(report, f)

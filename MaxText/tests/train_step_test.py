@@ -8,7 +8,18 @@ import numpy as np
 import optax
 import pytest
 
-from MaxText import aot_compile, common_types, layer_stacking, mesh, optimizers, sharding, train_state, train_step
+from MaxText import (
+  aot_compile,
+  common_types,
+  jit_steps,
+  layer_stacking,
+  mesh,
+  optimizers,
+  sharding,
+  train_step,
+  training_setup,
+)
+from MaxText.features import selection
 from MaxText.tests.helpers import tiny_config, token_batch
 
 
@@ -20,10 +31,12 @@ def _batch(rows, length=32, seed=0, pad_from=None):
 
 
 def _loss_and_grads(config, params, batch):
-  model = train_state.create_model(config)
+  model = training_setup.create_model(config)
 
   def loss(p):
-    total, (weights, *_) = train_step.loss_fn(model, config, p, batch, jax.random.PRNGKey(0), True)
+    total, (weights, *_) = train_step.loss_fn(
+      model, config, selection.for_config(config), p, batch, jax.random.PRNGKey(0), True
+    )
     return total / weights
 
   return jax.jit(jax.value_and_grad(loss))(params)
@@ -31,8 +44,8 @@ def _loss_and_grads(config, params, batch):
 
 def _state(config):
   device_mesh = mesh.create_device_mesh(config)
-  setup = train_state.build(config, device_mesh)
-  return setup.model, train_state.init_train_state(setup.model, setup.tx, config, device_mesh, setup.state_shardings)
+  setup = training_setup.build(config, device_mesh)
+  return setup.model, setup.init_state(config, device_mesh)
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +79,8 @@ def test_remat_and_scan_give_the_same_loss_and_grads(reference, scan, policy):
 def _compiled_temp_bytes(*args):
   config = tiny_config(*args)
   device_mesh = mesh.create_device_mesh(config)
-  setup = train_state.build(config, device_mesh)
-  compiled = aot_compile.compile_train_step(setup.model, config, device_mesh, setup.abstract_state)
+  setup = training_setup.build(config, device_mesh)
+  compiled = aot_compile.compile_train_step(setup, config, device_mesh)
   return compiled.memory_analysis().temp_size_in_bytes
 
 
@@ -87,13 +100,13 @@ def test_remat_policies_change_what_is_saved():
 def test_the_train_state_is_donated(compiled_ahead):
   config = tiny_config()
   device_mesh = mesh.create_device_mesh(config)
-  setup = train_state.build(config, device_mesh)
-  state = train_state.init_train_state(setup.model, setup.tx, config, device_mesh, setup.state_shardings)
+  setup = training_setup.build(config, device_mesh)
+  state = setup.init_state(config, device_mesh)
   batch = jax.device_put(_batch(2), sharding.data_sharding(config, device_mesh))
   if compiled_ahead:  # what train.py calls
-    step = aot_compile.compile_train_step(setup.model, config, device_mesh, setup.abstract_state)
+    step = aot_compile.compile_train_step(setup, config, device_mesh)
   else:
-    step = train_step.jit_train_step(setup.model, config, device_mesh, setup.state_shardings)
+    step = jit_steps.jit_train_step(setup.model, config, setup.features, device_mesh, setup.state_shardings)
   with sharding.logical_context(device_mesh, config):
     new_state, _ = step(state, batch)
   assert all(x.is_deleted() for x in jax.tree.leaves(state)), "the step kept a second copy of the train state"
@@ -106,8 +119,8 @@ def test_gradient_accumulation_equals_one_large_batch():
   big = tiny_config("per_device_batch_size=8", "gradient_accumulation_steps=1")
   accumulated = tiny_config("per_device_batch_size=2", "gradient_accumulation_steps=4")
   model, state = _state(big)
-  new_big, m_big = jax.jit(functools.partial(train_step.train_step, model, big))(state, batch)
-  new_acc, m_acc = jax.jit(functools.partial(train_step.train_step, model, accumulated))(state, batch)
+  new_big, m_big = jax.jit(functools.partial(train_step.train_step, model, big, ()))(state, batch)
+  new_acc, m_acc = jax.jit(functools.partial(train_step.train_step, model, accumulated, ()))(state, batch)
   for key in ("learning/loss", "learning/total_weights", "learning/raw_grad_norm"):
     np.testing.assert_allclose(m_acc[key], m_big[key], rtol=1e-5)
   jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-7), new_acc.params, new_big.params)
@@ -117,7 +130,7 @@ def test_gradient_accumulation_equals_one_large_batch():
 def test_bfloat16_weights_keep_their_dtype_through_the_step(nonfinite_action):
   config = tiny_config("weight_dtype=bfloat16", f"nonfinite_action={nonfinite_action}")
   model, state = _state(config)
-  new_state, metrics = jax.jit(functools.partial(train_step.train_step, model, config))(state, _batch(2))
+  new_state, metrics = jax.jit(functools.partial(train_step.train_step, model, config, ()))(state, _batch(2))
   dtypes = jax.tree.map(lambda x: x.dtype, state)
   assert jax.tree.map(lambda x: x.dtype, new_state) == dtypes
   assert {d for d in jax.tree.leaves(dtypes.params)} == {jnp.dtype(jnp.bfloat16)}
@@ -128,18 +141,18 @@ def test_padding_carries_no_loss():
   config = tiny_config()
   model, state = _state(config)
   batch = _batch(2, pad_from=10)
-  _, metrics = jax.jit(functools.partial(train_step.train_step, model, config))(state, batch)
+  _, metrics = jax.jit(functools.partial(train_step.train_step, model, config, ()))(state, batch)
   assert float(metrics["learning/total_weights"]) == 2 * 10
   # Changing the padded targets changes nothing.
   other = dict(batch, targets=batch["targets"].at[:, 10:].set(7))
-  _, metrics2 = jax.jit(functools.partial(train_step.train_step, model, config))(state, other)
+  _, metrics2 = jax.jit(functools.partial(train_step.train_step, model, config, ()))(state, other)
   assert float(metrics2["learning/loss"]) == float(metrics["learning/loss"])
 
 
 def test_metrics_are_consistent():
   config = tiny_config("gradient_clipping_threshold=0.01")
   model, state = _state(config)
-  new_state, m = jax.jit(functools.partial(train_step.train_step, model, config))(state, _batch(2))
+  new_state, m = jax.jit(functools.partial(train_step.train_step, model, config, ()))(state, _batch(2))
   assert float(m["learning/grad_norm"]) == pytest.approx(0.01)
   assert float(m["learning/raw_grad_norm"]) > 0.01
   assert float(m["learning/param_norm"]) == pytest.approx(float(optax.tree.norm(new_state.params)), rel=1e-6)

@@ -146,15 +146,15 @@ def test_gcs_metrics_writes_the_steps_under_the_run_directory_every_log_period(t
 
 
 def test_max_checkify_names_an_out_of_range_token_id():
-  from MaxText import aot_compile, mesh, sharding, train_state  # pylint: disable=import-outside-toplevel
+  from MaxText import aot_compile, mesh, sharding, training_setup  # pylint: disable=import-outside-toplevel
   from MaxText.errors import UserError  # pylint: disable=import-outside-toplevel
   from MaxText.tests.helpers import token_batch  # pylint: disable=import-outside-toplevel
 
   config = tiny_config("max_checkify=true")
   device_mesh = mesh.create_device_mesh(config)
-  setup = train_state.build(config, device_mesh)
-  step = aot_compile.compile_train_step(setup.model, config, device_mesh, setup.abstract_state)
-  state = train_state.init_train_state(setup.model, setup.tx, config, device_mesh, setup.state_shardings)
+  setup = training_setup.build(config, device_mesh)
+  step = aot_compile.compile_train_step(setup, config, device_mesh)
+  state = setup.init_state(config, device_mesh)
   batch = token_batch(rows=config.global_batch_size_to_load)
   with sharding.logical_context(device_mesh, config):
     state, _ = step(state, batch)  # in range: no error

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from MaxText import common_types
+from MaxText import common_types, feature_protocol
 from MaxText.layers import moe
 
 _BIAS = ("gate", "bias")
@@ -50,17 +50,6 @@ def loads(sown: dict) -> dict:
   return found
 
 
-def zero_loads(params, scan_axis: int) -> dict:
-  """Zero loads of loads()'s structure: the start of their sum over gradient accumulation's microbatches."""
-  found = {}
-  for path, bias in jax.tree_util.tree_flatten_with_path(params)[0]:
-    keys = _keys(path)
-    if _is_bias(keys):
-      shape = bias.shape if bias.ndim == 1 else (bias.shape[scan_axis], bias.shape[1 - scan_axis])
-      found[keys] = jnp.zeros(shape, jnp.float32)
-  return found
-
-
 def update(params, step_loads: dict, rate: float, scan_axis: int):
   """params with each routing bias moved by `rate` towards equal loads. A scanned bias stacks its layers on
   scan_axis ((E, L) with param_scan_axis=1); the sown loads stack theirs on axis 0."""
@@ -75,3 +64,25 @@ def update(params, step_loads: dict, rate: float, scan_axis: int):
     return moe.update_routing_bias(bias, load, rate)
 
   return jax.tree_util.tree_map_with_path(moved, params)
+
+
+class RoutingBias(feature_protocol.Feature):
+  """The routers' selection biases kept out of the optimizer; with routed_bias, moved towards equal loads after each
+  update from the step's summed loads."""
+
+  name = "routing_bias"
+
+  def __init__(self, config):
+    self.moves = config.routed_bias
+    self.rate, self.scan_axis = config.routed_bias_update_rate, config.param_scan_axis
+
+  def optimizer(self, tx):
+    return keep_out_of_optimizer(tx)
+
+  def result(self, ctx, input_gradient):
+    return loads(ctx.sown) if self.moves else None
+
+  def after_update(self, state, result):
+    if result is None:
+      return state
+    return state.replace(params=update(state.params, result, self.rate, self.scan_axis))

@@ -1,19 +1,21 @@
-"""LoRA on the train step's side: the base params stay out of the optimizer, the run's checks, and the split of the
-params into the frozen base and the adapters (the part a LoRA checkpoint holds).
-
-The adapters themselves are in layers/lora.py.
+"""LoRA and QLoRA (enable_lora) as a feature: the adapters on the dense layers (layers/lora.py; QLoRA's quantized base:
+layers/qlora.py), the base params kept out of the optimizer (and QLoRA's codes out of differentiation), checkpoints of
+the adapters only (the frozen base comes from load_parameters_path again), and the split of the params into the
+frozen base and the adapters.
 """
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from MaxText.errors import ConfigError
-from MaxText.layers import layer_names, lora, qlora
-
-
-def is_adapter(keys: tuple) -> bool:
-  return bool(keys) and keys[-1] in lora.ADAPTER_PARAMS
+from MaxText import feature_protocol
+from MaxText.errors import ConfigError, UserError
+from MaxText.features import qlora_loading
+from MaxText.layers import layer_names, qlora
+from MaxText.layers import lora as adapters_layer
+from MaxText.layers.lora import is_adapter, split
 
 
 def _zero_like_sharded(g):
@@ -46,15 +48,10 @@ def check_selects_layers(config, params) -> None:
   """A ConfigError naming lora_module_path and some real layer names when it selects no dense layer."""
   if any(is_adapter(keys) for keys, _ in layer_names.flatten(params)):
     return
-  names = sorted({lora.module_name(keys[:-1]) for keys, _ in layer_names.flatten(params) if keys[-1] == "kernel"})
+  names = sorted({adapters_layer.module_name(keys[:-1]) for keys, _ in layer_names.flatten(params) if keys[-1] == "kernel"})
   raise ConfigError(
     f"lora_module_path={config.lora_module_path!r} selects no dense layer; this model's are e.g. {', '.join(names[:6])}"
   )
-
-
-def split(params) -> tuple[dict, dict]:
-  """(base, adapters): two trees of the params' nesting, each holding only its own leaves."""
-  return layer_names.partition(params, lambda keys, _: is_adapter(keys))
 
 
 def split_codes(params) -> tuple[dict, dict]:
@@ -70,10 +67,7 @@ def zero_codes(codes: dict) -> dict:
 
 def join(base: dict, adapters: dict) -> dict:
   """The params of a LoRA model from split()'s two parts."""
-  out = dict(base)
-  for key, value in adapters.items():
-    out[key] = join(out.get(key, {}), value) if isinstance(value, dict) else value
-  return out
+  return layer_names.merge(base, adapters)
 
 
 def model_size(params) -> tuple[int, int]:
@@ -95,3 +89,51 @@ def adapters_only(state):
   state and the adapters; the frozen base comes from load_parameters_path again. A state without adapters as is."""
   adapters = split(state.params)[1]
   return state.replace(params=adapters) if adapters else state
+
+
+class Lora(feature_protocol.Feature):
+  name = "lora"
+
+  def __init__(self, config):
+    self.config = config
+    self.spec = adapters_layer.from_config(config)
+
+  def gemm(self, gemm):
+    return dataclasses.replace(gemm, lora=self.spec)
+
+  def optimizer(self, tx):
+    return train_adapters_only(tx)
+
+  def frozen(self, leaf) -> bool:
+    return bool(self.spec.weight_qtype) and qlora.is_code(leaf)
+
+  def bind_params(self, abstract_params) -> None:
+    check_selects_layers(self.config, abstract_params)
+
+  def base_params(self, params):
+    def base(path, x):
+      return jnp.zeros_like(x) if getattr(path[-1], "key", None) == "lora_b" else x
+
+    return jax.tree_util.tree_map_with_path(base, params)
+
+  def saved(self, state):
+    return adapters_only(state)
+
+  def check_restore(self, tree: dict, abstract_state, where: str) -> None:
+    lora_state = bool(split(tree["params"])[1])
+    if not lora_state:
+      raise UserError(
+        f"{where} is the train state of a run without LoRA; with enable_lora=true give a LoRA run's checkpoint, "
+        "or that model's params as load_parameters_path"
+      )
+
+  def load_params(self, load, tree: dict, abstract_params):
+    """The base (and the adapters, when the checkpoint holds some: a PEFT adapter read in by convert_checkpoint.py);
+    QLoRA reads the checkpoint's float kernels one at a time and quantizes them."""
+    wanted = qlora.float_layout(abstract_params, self.config.weight_dtype) if self.spec.weight_qtype else abstract_params
+    if not split(tree["params"])[1]:
+      wanted = split(wanted)[0]  # the adapters start afresh
+    if self.spec.weight_qtype:
+      path, axis = self.config.load_parameters_path, self.config.param_scan_axis
+      return qlora_loading.load(path, tree, wanted, abstract_params, axis)
+    return load(wanted)

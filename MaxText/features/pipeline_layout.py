@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from MaxText import pipeline_schedule
+from MaxText import feature_protocol, pipeline_schedule
 from MaxText.common_types import STACK_NAMES
 
 
@@ -62,3 +62,19 @@ def to_logical(state, config):
   if schedule is None:
     return state
   return _reordered(state, tuple(np.argsort(schedule.memory_order()).tolist()), config.param_scan_axis)
+
+
+class PipelineLayout(feature_protocol.Feature):
+  """A pipelined run whose schedule reorders the layers holds its state in memory order between on_start and
+  logical (every save, and the end of the loop)."""
+
+  name = "pipeline_layout"
+
+  def __init__(self, config):
+    self.config = config
+
+  def on_start(self, state):
+    return to_memory(state, self.config)
+
+  def logical(self, state):
+    return to_logical(state, self.config)

@@ -9,8 +9,9 @@ are restacked together.
 
 import jax
 
-from MaxText import checkpointing, lora_training, max_logging, params_layout
+from MaxText import checkpointing, max_logging, params_layout
 from MaxText.layers import layer_names, qlora
+from MaxText.layers import lora as adapters_layer
 
 
 def load(path: str, tree: dict, float_params, held, scan_axis: int):
@@ -37,8 +38,8 @@ def load(path: str, tree: dict, float_params, held, scan_axis: int):
 
 def _quantize_all(float_params, held):
   """float_params with every kernel quantized at once (the float params are donated)."""
-  if not lora_training.split(float_params)[1]:
-    held = lora_training.split(held)[0]  # without the adapters that the checkpoint lacks
+  if not adapters_layer.split(float_params)[1]:
+    held = adapters_layer.split(held)[0]  # without the adapters that the checkpoint lacks
   shardings = jax.tree.map(lambda a: a.sharding, held)
   return jax.jit(lambda p: qlora.quantize_params(p, held), out_shardings=shardings, donate_argnums=0)(float_params)
 
