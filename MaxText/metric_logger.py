@@ -21,10 +21,11 @@ from MaxText.diagnostics import plots
 from MaxText.errors import UserError
 
 _TENSORBOARD_FLUSH_SECONDS = 30
+_EVAL_TOTALS = {"eval/loss", "eval/total_weights", "eval/steps", "eval/seconds"}
 
 
 class Written(NamedTuple):
-  """A step as the logger wrote it: its scalars on the host, and its dicts of arrays (numerics statistics, the
+  """A step as the logger wrote it: its scalars on the host, and its dicts of arrays (a feature's statistics, the
   non-finite report), which the loop's checks read."""
 
   step: int
@@ -39,10 +40,10 @@ def _format_eta(seconds: float) -> str:
 class MetricLogger:
   """Writes one console line, one set of TensorBoard scalars and one metrics_file line per completed step.
 
-  A step's metrics may also hold dicts of arrays (numerics statistics, the non-finite report): they are not
+  A step's metrics may also hold dicts of arrays (a feature's statistics, the non-finite report): they are not
   logged as scalars but handed, with the step's scalars, to each observer, called as observer(step, scalars,
-  nested) once the step is written (writers of other reports: diagnostics.numerics_log.StatsWriter,
-  metrics_file.MetricsDirWriter; an observer with close() is closed with the logger). The logger only reports: it
+  nested) once the step is written (writers of other reports: the features' observers, metrics_file.MetricsDirWriter;
+  an observer with close() is closed with the logger). The logger only reports: it
   returns each step it wrote (Written), and the step loop decides what follows.
   """
 
@@ -96,8 +97,9 @@ class MetricLogger:
   def write_eval(self, step: int, metrics: dict) -> None:
     if "eval/perplexity" in metrics:
       quality = f"perplexity={metrics['eval/perplexity']:.3f}"
-    else:  # use_dpo
-      quality = f"reward_accuracy={metrics['eval/dpo/reward_accuracy']:.3f}, margin={metrics['eval/dpo/margin']:.4f}"
+    else:  # an objective with metrics of its own: their means
+      own = sorted(set(metrics) - _EVAL_TOTALS)
+      quality = ", ".join(f"{name.removeprefix('eval/')}={metrics[name]:.4f}" for name in own)
     max_logging.log(
       f"eval after step {step}: eval_loss={metrics['eval/loss']:.4f}, {quality}, eval_steps={metrics['eval/steps']}, "
       f"total_weights={int(metrics['eval/total_weights'])}, seconds={metrics['eval/seconds']:.3f}"
@@ -174,9 +176,8 @@ class MetricLogger:
       f"total_weights: {int(m['learning/total_weights'])}, loss: {m['learning/loss']:.3f}, "
       f"lr: {m['learning/current_learning_rate']:.3e}, grad_norm: {m['learning/raw_grad_norm']:.3f}"
     )
-    for name in ("moe_lb_loss", "mtp_loss"):
-      if f"learning/{name}" in m:
-        line += f", {name}: {m[f'learning/{name}']:.4f}"
+    for key in sorted(k for k in m if k.startswith("learning/") and k.endswith("_loss")):  # the loss's added terms
+      line += f", {key.removeprefix('learning/')}: {m[key]:.4f}"
     if "perf/mfu" in m:
       line += f", MFU: {100 * m['perf/mfu']:.2f}%"
     eta = self._eta_seconds(step)

