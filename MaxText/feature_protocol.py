@@ -177,6 +177,21 @@ def register_checkpoint_hint(hint: Callable[[set, set], str]) -> None:
   _CHECKPOINT_HINTS.append(hint)
 
 
+_RESTORE_CHECKS: list[Callable] = []
+
+
+def register_restore_check(check: Callable) -> None:
+  """Adds check(tree, abstract_state, where), which raises a UserError when a checkpoint (its metadata tree) holds a
+  feature's state that this run, without that feature, cannot take. Registered when the feature module is imported,
+  so it speaks where the run has the feature off (Feature.check_restore speaks where it is on)."""
+  _RESTORE_CHECKS.append(check)
+
+
+def restore_checks(tree: dict, abstract_state, where: str) -> None:
+  for check in _RESTORE_CHECKS:
+    check(tree, abstract_state, where)
+
+
 def checkpoint_hints(saved: set, wanted: set) -> str:
   """The registered hints' texts for these params, joined."""
   return "; ".join(text for hint in _CHECKPOINT_HINTS if (text := hint(saved, wanted)))

@@ -18,7 +18,8 @@ def checks(features):
   """check(tree, abstract_state, where): the core's and the features' checks that a checkpoint restores here."""
 
   def check(tree: dict, abstract_state, where: str) -> None:
-    for feature in features:  # first: a feature's line says more than a list of params that differ
+    feature_protocol.restore_checks(tree, abstract_state, where)  # first: a feature's line says more than a list
+    for feature in features:
       feature.check_restore(tree, abstract_state, where)
     checkpointing.check_checkpoint_fits(tree["params"], abstract_state.params, where)
     checkpointing.check_state_slots(tree, abstract_state, where)

@@ -137,3 +137,14 @@ class Lora(feature_protocol.Feature):
       path, axis = self.config.load_parameters_path, self.config.param_scan_axis
       return qlora_loading.load(path, tree, wanted, abstract_params, axis)
     return load(wanted)
+
+
+def _lora_state_without_lora(tree: dict, abstract_state, where: str) -> None:
+  if split(tree["params"])[1] and not split(abstract_state.params)[1]:
+    raise UserError(
+      f"{where} holds a LoRA run's adapters and their optimizer state: set enable_lora=true (and its lora_* keys), "
+      "with the base model as load_parameters_path"
+    )
+
+
+feature_protocol.register_restore_check(_lora_state_without_lora)
