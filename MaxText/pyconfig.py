@@ -22,6 +22,7 @@ from MaxText import (
   config_schema,
   config_validation,
   max_logging,
+  mesh_parallelism,
   pipeline_schedule,
   tokenizer_assets,
   xla_flag_presets,
@@ -292,38 +293,6 @@ def _derive_static(values, sources, environ):
   _normalise(values, "mlp_activations", tuple(values["mlp_activations"]))
 
 
-def _fill_parallelism(values, prefix: str, total: int, what: str) -> list[int]:
-  """The per-mesh-axis parallelism of one level (ici or dcn), with its -1 filled so the product is total."""
-  keys = [f"{prefix}_{common_types.MESH_AXIS_KEY[axis]}_parallelism" for axis in values["mesh_axes"]]
-  dims = [values[k] for k in keys]
-  known = math.prod(d for d in dims if d != -1)
-  if -1 in dims:
-    if total % known:
-      fixed = ", ".join(f"{k}={d}" for k, d in zip(keys, dims) if d not in (1, -1)) or "the others"
-      raise ConfigError(
-        f"{keys[dims.index(-1)]}=-1 cannot be filled: {what} {total} is not divisible by {fixed} (product {known})"
-      )
-    dims[dims.index(-1)] = total // known
-  elif known != total:
-    set_keys = ", ".join(f"{k}={d}" for k, d in zip(keys, dims) if d != 1) or f"all {prefix}_*_parallelism=1"
-    raise ConfigError(
-      f"{prefix}_*_parallelism multiply to {known} ({set_keys}) but there are {total} {what}; make the product {total}"
-    )
-  return dims
-
-
-def _check_no_dcn_parallelism(values):
-  """With one slice there is nothing to split across slices: a dcn_* value other than 1 (or the -1 fill) is a mistake."""
-  for axis in values["mesh_axes"]:
-    key = f"dcn_{common_types.MESH_AXIS_KEY[axis]}_parallelism"
-    if values[key] not in (1, -1):
-      ici_key = f"ici_{common_types.MESH_AXIS_KEY[axis]}_parallelism"
-      raise ConfigError(
-        f"{key}={values[key]} but there is one slice (dcn_* parallelism splits across slices); "
-        f"use {ici_key} within a slice, or {key}=1"
-      )
-
-
 def _check_hardware(hardware: str, devices) -> None:
   """hardware=gpu|gpu_multiprocess|tpu on a host whose JAX has no such devices is a mistake, not a CPU run."""
   wanted = {"gpu_multiprocess": "gpu"}.get(hardware, hardware)
@@ -356,9 +325,9 @@ def _derive_device_values(values, sources, devices):
     _set(values, sources, "num_slices", num_slices)
   _set(values, sources, "num_devices", num_devices)
   if num_slices == 1:
-    _check_no_dcn_parallelism(values)
-  dcn = _fill_parallelism(values, "dcn", num_slices, "slices") if num_slices > 1 else [1] * len(values["mesh_axes"])
-  ici = _fill_parallelism(values, "ici", num_devices // num_slices, "devices per slice")
+    mesh_parallelism.check_no_dcn(values)
+  dcn = mesh_parallelism.fill(values, "dcn", num_slices, "slices") if num_slices > 1 else [1] * len(values["mesh_axes"])
+  ici = mesh_parallelism.fill(values, "ici", num_devices // num_slices, "devices per slice")
   _set(values, sources, "ici_parallelism", tuple(ici))
   _set(values, sources, "dcn_parallelism", tuple(dcn))
 
