@@ -69,11 +69,6 @@ class TrainState:
     return f"TrainState(step={self.step!r}, slots={sorted(self.slots)})"
 
 
-def from_tree(tree: dict, tx, like: TrainState) -> TrainState:
-  """A TrainState from a checkpoint's restored dict ({step, params, opt_state, slots...}), with like's slots."""
-  return TrainState(tree["step"], tree["params"], tree["opt_state"], tx, {n: tree[n] for n in like.slots})
-
-
 def _init_boxed_state(model, tx, features, config, rng) -> TrainState:
   shape = (config.micro_batch_size_to_load, config.max_target_length)
   tokens = jnp.ones(shape, jnp.int32)

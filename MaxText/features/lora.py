@@ -54,17 +54,6 @@ def check_selects_layers(config, params) -> None:
   )
 
 
-def split_codes(params) -> tuple[dict, dict]:
-  """(QLoRA's quantized kernels, the other params): the first are integer or fp8 codes, which are not differentiated."""
-  other, codes = layer_names.partition(params, lambda _, leaf: qlora.is_code(leaf))
-  return codes, other
-
-
-def zero_codes(codes: dict) -> dict:
-  """The codes' zero "gradients", in their dtype and computed from them (so sharded like them)."""
-  return jax.tree.map(lambda c: c * jnp.zeros((), c.dtype), codes)
-
-
 def join(base: dict, adapters: dict) -> dict:
   """The params of a LoRA model from split()'s two parts."""
   return layer_names.merge(base, adapters)
