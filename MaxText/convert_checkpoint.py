@@ -24,7 +24,8 @@ import sys
 if __package__ in (None, ""):  # Run as `python3 MaxText/convert_checkpoint.py`: import MaxText from this checkout.
   sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from MaxText.errors import UserError, run_and_exit_on_user_error  # pylint: disable=wrong-import-position
+from MaxText.errors import UserError  # pylint: disable=wrong-import-position
+from MaxText.runtime.entry_point import run_and_exit_on_user_error  # pylint: disable=wrong-import-position
 
 
 class _Parser(argparse.ArgumentParser):

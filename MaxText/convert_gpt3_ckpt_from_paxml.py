@@ -5,6 +5,6 @@ import sys
 
 if __name__ == "__main__":
   sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  from MaxText import upstream_scripts
+  from MaxText.hf_conversion import upstream_scripts
 
   upstream_scripts.refuse(__file__)

@@ -16,8 +16,11 @@ import sys
 if __package__ in (None, ""):  # Run as `python3 MaxText/decode.py`: import MaxText from this checkout.
   sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from MaxText import config_loader, pyconfig, tokenizer_assets  # pylint: disable=wrong-import-position
-from MaxText.errors import UserError, run_and_exit_on_user_error  # pylint: disable=wrong-import-position
+from MaxText import pyconfig  # pylint: disable=wrong-import-position
+from MaxText.configuration import config_loader
+from MaxText.errors import UserError  # pylint: disable=wrong-import-position
+from MaxText.input_pipeline import tokenizer_assets
+from MaxText.runtime.entry_point import run_and_exit_on_user_error  # pylint: disable=wrong-import-position
 
 
 def _check_config(config) -> None:
@@ -31,7 +34,7 @@ def _check_config(config) -> None:
 
 
 def _tokenizer(config):
-  from MaxText.tokenizer import build_tokenizer  # pylint: disable=import-outside-toplevel
+  from MaxText.input_pipeline.tokenizer import build_tokenizer  # pylint: disable=import-outside-toplevel
 
   path = pyconfig.resolve_asset_path(config.tokenizer_path, config.config_path)
   path = path or tokenizer_assets.from_package(config.tokenizer_path)
@@ -66,8 +69,10 @@ def main(argv: list[str]) -> list[str]:
   tokenizer = _tokenizer(config)
   prompt_ids, end_of_turn = _prompt_ids(config, tokenizer)
   # pylint: disable=import-outside-toplevel
-  from MaxText import decoding, jax_runtime, max_logging
-  from MaxText.mesh import create_device_mesh
+  from MaxText import max_logging
+  from MaxText.inference import decoding
+  from MaxText.runtime import jax_runtime
+  from MaxText.runtime.mesh import create_device_mesh
 
   decoding.check_prompt(config, prompt_ids)
   max_logging.configure(config.log_all_processes)
@@ -76,7 +81,7 @@ def main(argv: list[str]) -> list[str]:
   model, abstract_params = decoding.build(config, mesh)
   params = decoding.load_params(config, model, abstract_params, mesh)
   if config.save_quantized_params_path:
-    from MaxText import serving_checkpoint  # pylint: disable=import-outside-toplevel
+    from MaxText.checkpoints import serving_checkpoint  # pylint: disable=import-outside-toplevel
 
     serving_checkpoint.save(config, params, config.save_quantized_params_path)
   end_ids = tuple(sorted({*decoding.end_token_ids(tokenizer), *end_of_turn}))

@@ -16,11 +16,12 @@ if __package__ in (None, ""):  # Run as `python3 MaxText/generate_param_only_che
   sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from MaxText import pyconfig  # pylint: disable=wrong-import-position
-from MaxText.errors import UserError, run_and_exit_on_user_error  # pylint: disable=wrong-import-position
+from MaxText.errors import UserError  # pylint: disable=wrong-import-position
+from MaxText.runtime.entry_point import run_and_exit_on_user_error  # pylint: disable=wrong-import-position
 
 
 def _abstract_params(config, mesh, memory_limit_bytes):
-  from MaxText import training_setup  # pylint: disable=import-outside-toplevel
+  from MaxText.training import training_setup  # pylint: disable=import-outside-toplevel
 
   # Only the params are read (no optimizer state), so only they must fit a device.
   return training_setup.build(config, mesh, params_only=True, memory_limit_bytes=memory_limit_bytes).abstract_state.params
@@ -29,7 +30,7 @@ def _abstract_params(config, mesh, memory_limit_bytes):
 def _source_is_scanned(path: str) -> bool:
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
 
-  from MaxText import params_layout  # pylint: disable=import-outside-toplevel
+  from MaxText.checkpoints import params_layout  # pylint: disable=import-outside-toplevel
 
   try:
     tree = ocp.PyTreeCheckpointer().metadata(path).item_metadata.tree
@@ -57,8 +58,10 @@ def generate(argv, memory_limit_bytes: int | None = None) -> str:
   import orbax.checkpoint as ocp
   from etils import epath
 
-  from MaxText import checkpointing, layer_stacking, max_logging, mesh
+  from MaxText import max_logging
+  from MaxText.checkpoints import checkpointing, layer_stacking
   from MaxText.layers import models
+  from MaxText.runtime import mesh
 
   if epath.Path(output).exists():
     raise UserError(f"{output} already exists; choose another run_name (nothing is overwritten)")

@@ -23,7 +23,8 @@ if __package__ in (None, ""):  # Run as `python3 MaxText/inference_microbenchmar
   sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from MaxText import pyconfig  # pylint: disable=wrong-import-position
-from MaxText.errors import UserError, run_and_exit_on_user_error  # pylint: disable=wrong-import-position
+from MaxText.errors import UserError  # pylint: disable=wrong-import-position
+from MaxText.runtime.entry_point import run_and_exit_on_user_error  # pylint: disable=wrong-import-position
 
 # upstream's `insert` copies a prefill's cache into a slot of JetStream's decode state; here the prefill writes the
 # decode cache itself, so there is nothing to time: the stage is accepted (upstream's scripts name it) and noted.
@@ -75,7 +76,8 @@ def prefill_results(config, model, params, pick, rows: int, length: int) -> tupl
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
-  from MaxText import decoding, flops  # pylint: disable=import-outside-toplevel
+  from MaxText.inference import decoding  # pylint: disable=import-outside-toplevel
+  from MaxText.training import flops  # pylint: disable=import-outside-toplevel
 
   tokens = jax.random.randint(jax.random.PRNGKey(0), (rows, length), 0, config.vocab_size, jnp.int32)
   true_length = jnp.full((rows,), length, jnp.int32)
@@ -97,7 +99,7 @@ def generate_results(config, model, params, pick, rows: int, length: int, prefil
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
-  from MaxText import decode_roofline, decoding  # pylint: disable=import-outside-toplevel
+  from MaxText.inference import decode_roofline, decoding  # pylint: disable=import-outside-toplevel
 
   cache, _, token = prefilled
   positions, index, rng = jnp.full((rows,), length, jnp.int32), jnp.ones((), jnp.int32), jax.random.PRNGKey(0)
@@ -122,7 +124,8 @@ def generate_results(config, model, params, pick, rows: int, length: int, prefil
 
 def run(config) -> dict:
   """The results of the configured stages (see the module doc)."""
-  from MaxText import decoding, mesh, sharding  # pylint: disable=import-outside-toplevel
+  from MaxText.inference import decoding  # pylint: disable=import-outside-toplevel
+  from MaxText.runtime import mesh, sharding  # pylint: disable=import-outside-toplevel
 
   lengths, stages = parse_keys(config)
   device_mesh = mesh.create_device_mesh(config)

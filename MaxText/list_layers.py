@@ -16,7 +16,7 @@ if __package__ in (None, ""):  # Run as `python3 MaxText/list_layers.py`: import
   sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from MaxText import pyconfig  # pylint: disable=wrong-import-position
-from MaxText.errors import run_and_exit_on_user_error  # pylint: disable=wrong-import-position
+from MaxText.runtime.entry_point import run_and_exit_on_user_error  # pylint: disable=wrong-import-position
 
 
 def layer_lines(config, params) -> list[str]:
@@ -45,8 +45,8 @@ def layer_lines(config, params) -> list[str]:
 def main(argv: list[str]) -> None:
   config = pyconfig.initialize(argv, reads_data=False)
   # pylint: disable=import-outside-toplevel
-  from MaxText import training_setup
-  from MaxText.mesh import create_device_mesh
+  from MaxText.runtime.mesh import create_device_mesh
+  from MaxText.training import training_setup
 
   setup = training_setup.build(config, create_device_mesh(config), params_only=True, check_memory=False)
   print("\n".join(layer_lines(config, setup.abstract_state.params)))

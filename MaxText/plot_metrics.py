@@ -16,7 +16,8 @@ if __package__ in (None, ""):  # Run as `python3 MaxText/plot_metrics.py`: impor
 
 from MaxText import max_logging  # pylint: disable=wrong-import-position
 from MaxText.diagnostics import plots  # pylint: disable=wrong-import-position
-from MaxText.errors import UserError, run_and_exit_on_user_error  # pylint: disable=wrong-import-position
+from MaxText.errors import UserError  # pylint: disable=wrong-import-position
+from MaxText.runtime.entry_point import run_and_exit_on_user_error  # pylint: disable=wrong-import-position
 
 
 def main(argv: list[str]) -> None:

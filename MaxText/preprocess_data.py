@@ -20,9 +20,10 @@ import sys
 if __package__ in (None, ""):  # Run as `python3 MaxText/preprocess_data.py`.
   sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from MaxText.config_loader import PACKAGE_DIR  # pylint: disable=wrong-import-position
-from MaxText.errors import UserError, run_and_exit_on_user_error  # pylint: disable=wrong-import-position
+from MaxText.configuration.config_loader import PACKAGE_DIR  # pylint: disable=wrong-import-position
+from MaxText.errors import UserError  # pylint: disable=wrong-import-position
 from MaxText.pyconfig import resolve_asset_path  # pylint: disable=wrong-import-position
+from MaxText.runtime.entry_point import run_and_exit_on_user_error  # pylint: disable=wrong-import-position
 
 
 def _documents(path: str, column: str):
@@ -63,7 +64,7 @@ def preprocess(
   from tqdm import tqdm
 
   from MaxText.input_pipeline import tf_example
-  from MaxText.tokenizer import build_tokenizer
+  from MaxText.input_pipeline.tokenizer import build_tokenizer
 
   paths = sorted(p for pattern in inputs.split(";") for p in glob.glob(pattern.strip()))
   if not paths:

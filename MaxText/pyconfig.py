@@ -15,21 +15,21 @@ import sys
 
 import yaml
 
-from MaxText import (
+from MaxText import max_logging
+from MaxText.configuration import (
   attention_selection,
   common_types,
   config_loader,
   config_schema,
   config_validation,
-  max_logging,
   mesh_parallelism,
   pipeline_schedule,
-  tokenizer_assets,
-  xla_flag_presets,
 )
 from MaxText.diagnostics import numerics_config
 from MaxText.errors import ConfigError
+from MaxText.input_pipeline import tokenizer_assets
 from MaxText.layers import quant_rules
+from MaxText.runtime import xla_flag_presets
 
 SOURCE_DERIVED = "derived"
 
@@ -315,7 +315,7 @@ def _derive_device_values(values, sources, devices):
   if kernel != values["attention"]:  # autoselected, resolved
     _set(values, sources, "attention", kernel)
 
-  from MaxText.mesh import count_slices  # pylint: disable=import-outside-toplevel  # (imports jax)
+  from MaxText.runtime.mesh import count_slices  # pylint: disable=import-outside-toplevel  # (imports jax)
 
   num_slices = count_slices(devices)
   if values["num_slices"] not in (-1, num_slices):  # upstream's key: accepted where it matches
@@ -385,7 +385,7 @@ def _check_wgrad_shards(values, num_slices: int, rows: int):
 
 def _compile_topology_devices(values) -> list:
   """The devices of the AOT target that compile_topology (x compile_topology_num_slices) names."""
-  from MaxText import aot_targets  # pylint: disable=import-outside-toplevel
+  from MaxText.runtime import aot_targets  # pylint: disable=import-outside-toplevel
 
   if not values["compile_topology"]:
     raise ConfigError(
@@ -456,7 +456,7 @@ def initialize(
   # JAX only after the cheap checks.
   import jax  # pylint: disable=import-outside-toplevel
 
-  from MaxText import cluster, jax_runtime  # pylint: disable=import-outside-toplevel
+  from MaxText.runtime import cluster, jax_runtime  # pylint: disable=import-outside-toplevel
 
   if not jax_runtime.backends_started():  # what XLA would abort on when it reads XLA_FLAGS
     xla_flag_presets.check_user_flags(environ)

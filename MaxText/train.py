@@ -13,14 +13,16 @@ if __package__ in (None, ""):  # Run as `python3 MaxText/train.py`: import MaxTe
   sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from MaxText import pyconfig  # pylint: disable=wrong-import-position
-from MaxText.errors import UserError, run_and_exit_on_user_error  # pylint: disable=wrong-import-position
+from MaxText.errors import UserError  # pylint: disable=wrong-import-position
+from MaxText.runtime.entry_point import run_and_exit_on_user_error  # pylint: disable=wrong-import-position
 
 
 def _log_run_start(config, state) -> None:
   import jax  # pylint: disable=import-outside-toplevel
 
-  from MaxText import flops, max_logging  # pylint: disable=import-outside-toplevel
+  from MaxText import max_logging  # pylint: disable=import-outside-toplevel
   from MaxText.features import lora  # pylint: disable=import-outside-toplevel
+  from MaxText.training import flops
 
   device = jax.devices()[0]
   max_logging.log(
@@ -56,21 +58,15 @@ def _prepare_run_dir(config) -> None:
 def train_loop(config):
   """Trains until config.steps (or an early stop: step_loop) and returns the final train state."""
   # pylint: disable=import-outside-toplevel
-  from MaxText import (
-    aot_compile,
-    checkpointing,
-    emergency_checkpoint,
-    goodput,
-    max_logging,
-    peer_monitor,
-    pipeline_schedule,
-    starting_state,
-    step_loop,
-    training_setup,
-  )
-  from MaxText.evaluation import check_eval_data
+  from MaxText import max_logging
+  from MaxText.aot import aot_compile
+  from MaxText.checkpoints import checkpointing
+  from MaxText.configuration import pipeline_schedule
   from MaxText.input_pipeline.input_pipeline_interface import create_data_iterator
-  from MaxText.mesh import create_device_mesh
+  from MaxText.runtime import goodput, peer_monitor
+  from MaxText.runtime.mesh import create_device_mesh
+  from MaxText.training import emergency_checkpoint, starting_state, step_loop, training_setup
+  from MaxText.training.evaluation import check_eval_data
 
   _prepare_run_dir(config)
   peer_monitor.set_resume_note(lambda: checkpointing.resume_note(config))  # for the line on a lost process
@@ -124,8 +120,9 @@ def train_loop(config):
 
 def main(argv: list[str]) -> None:
   config = pyconfig.initialize(argv, required_keys=("run_name",))
-  from MaxText import jax_runtime, max_logging  # pylint: disable=import-outside-toplevel
+  from MaxText import max_logging  # pylint: disable=import-outside-toplevel
   from MaxText.diagnostics import stack_traces, vertex_tensorboard  # pylint: disable=import-outside-toplevel
+  from MaxText.runtime import jax_runtime
 
   max_logging.configure(config.log_all_processes)
   jax_runtime.enable_compilation_cache(config.jax_cache_dir)

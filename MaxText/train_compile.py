@@ -21,7 +21,7 @@ if __package__ in (None, ""):  # Run as `python3 MaxText/train_compile.py`: impo
   sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from MaxText import pyconfig  # pylint: disable=wrong-import-position
-from MaxText.errors import run_and_exit_on_user_error  # pylint: disable=wrong-import-position
+from MaxText.runtime.entry_point import run_and_exit_on_user_error  # pylint: disable=wrong-import-position
 
 EXIT_DOES_NOT_FIT = 3
 
@@ -32,7 +32,8 @@ def main(argv: list[str]) -> None:
 
   max_logging.log("Starting train_compile.py")
   config = pyconfig.initialize(argv, for_compile_topology=True)
-  from MaxText import aot_compile, compile_search, compiled_step_file, pipeline_schedule
+  from MaxText.aot import aot_compile, compile_search, compiled_step_file
+  from MaxText.configuration import pipeline_schedule
 
   if schedule := pipeline_schedule.resolve(config.get_keys()):
     max_logging.log(schedule.line())

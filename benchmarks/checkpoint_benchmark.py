@@ -16,9 +16,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from MaxText import checkpointing, jit_steps, mesh, pyconfig, sharding, training_setup  # noqa: E402
-from MaxText.errors import run_and_exit_on_user_error  # noqa: E402
+from MaxText import pyconfig  # noqa: E402
+from MaxText.checkpoints import checkpointing
 from MaxText.input_pipeline.input_pipeline_interface import create_data_iterator  # noqa: E402
+from MaxText.runtime import mesh, sharding
+from MaxText.runtime.entry_point import run_and_exit_on_user_error  # noqa: E402
+from MaxText.training import jit_steps, training_setup
 
 
 def _dir_bytes(path: str) -> int:

@@ -30,8 +30,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from MaxText import cli_args, config_loader, decode_roofline, decoding, mesh, pyconfig, sharding  # noqa: E402
-from MaxText.errors import UserError, run_and_exit_on_user_error  # noqa: E402
+from MaxText import pyconfig  # noqa: E402
+from MaxText.configuration import config_loader
+from MaxText.errors import UserError  # noqa: E402
+from MaxText.inference import decode_roofline, decoding
+from MaxText.runtime import cli_args, mesh, sharding
+from MaxText.runtime.entry_point import run_and_exit_on_user_error  # noqa: E402
 
 
 def _recompute_per_token_s(config, model, params, device_mesh, rows: int, prompt_length: int, tokens: int) -> float:

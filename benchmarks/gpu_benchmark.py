@@ -22,7 +22,7 @@ Variants run in order until --budget seconds are spent; the rest are listed as s
 variant failed (its row says why; one stopped by the budget too) or a timed step compiled; 2 for a wrong argument,
 or when JAX finds no GPU on this host (--cpu-smoke runs the tiny model there). SIGTERM or Ctrl-C ends the running
 variant's process too (it runs in its own process group), then this one (exit status 128 + the signal's number).
---xla-flags-ablation PRESET measures a preset of MaxText/xla_flag_presets.py on the first variant: with XLA_FLAGS
+--xla-flags-ablation PRESET measures a preset of MaxText/runtime/xla_flag_presets.py on the first variant: with XLA_FLAGS
 as given, with the whole preset, and with each of its flags alone (a row each), so that a recommended preset holds
 only flags measured to help.
 
@@ -45,9 +45,11 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 # pylint: disable=wrong-import-position  # (none of these imports jax)
-from MaxText import cli_args, config_loader, config_validation, pyconfig  # noqa: E402
+from MaxText import pyconfig  # noqa: E402
+from MaxText.configuration import config_loader, config_validation  # noqa: E402
 from MaxText.errors import UserError  # noqa: E402
-from MaxText.xla_flag_presets import PRESETS, merged_flags  # noqa: E402
+from MaxText.runtime import cli_args  # noqa: E402
+from MaxText.runtime.xla_flag_presets import PRESETS, merged_flags  # noqa: E402
 
 # pylint: enable=wrong-import-position
 
@@ -60,8 +62,8 @@ REQUIRED_MODULES = {}  # none: measured with python3 -X importtime on the --cpu-
 # The modules of the benchmarked step: importing them here finds any other missing module before a variant starts.
 STEP_MODULES = (
   "MaxText.pyconfig",
-  "MaxText.train_state",
-  "MaxText.train_step",
+  "MaxText.training.train_state",
+  "MaxText.training.train_step",
   "MaxText.input_pipeline.input_pipeline_interface",
 )
 

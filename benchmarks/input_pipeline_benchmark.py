@@ -28,8 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
-from MaxText import mesh, pyconfig  # noqa: E402
+from MaxText import pyconfig  # noqa: E402
 from MaxText.input_pipeline import input_pipeline_interface, sample_datasets  # noqa: E402
+from MaxText.runtime import mesh
 
 QUICKSTART = ["vocab_size=4096", "max_target_length=256", "per_device_batch_size=8"]
 RESUME_FILES = 16

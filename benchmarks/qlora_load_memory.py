@@ -42,9 +42,9 @@ def _config(model_args, *args):
 def _save(model_args, path: str) -> None:
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
 
-  from MaxText import training_setup  # pylint: disable=import-outside-toplevel
   from MaxText.features import lora
-  from MaxText.mesh import create_device_mesh  # pylint: disable=import-outside-toplevel
+  from MaxText.runtime.mesh import create_device_mesh  # pylint: disable=import-outside-toplevel
+  from MaxText.training import training_setup  # pylint: disable=import-outside-toplevel
 
   config = _config(model_args)
   mesh = create_device_mesh(config)
@@ -62,10 +62,11 @@ def _peak_kib() -> int:
 def _measure(model_args, path: str, way: str) -> dict:
   import jax  # pylint: disable=import-outside-toplevel
 
-  from MaxText import checkpointing, starting_state, training_setup  # pylint: disable=import-outside-toplevel
+  from MaxText.checkpoints import checkpointing  # pylint: disable=import-outside-toplevel
   from MaxText.features import lora, qlora_loading  # pylint: disable=import-outside-toplevel
   from MaxText.layers import qlora  # pylint: disable=import-outside-toplevel
-  from MaxText.mesh import create_device_mesh  # pylint: disable=import-outside-toplevel
+  from MaxText.runtime.mesh import create_device_mesh  # pylint: disable=import-outside-toplevel
+  from MaxText.training import starting_state, training_setup  # pylint: disable=import-outside-toplevel
 
   qtype = [] if way == "float" else ["lora_weight_qtype=int8"]
   config = _config(model_args, f"load_parameters_path={path}", *qtype)

@@ -20,9 +20,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402  # pylint: disable=wrong-import-position
 import numpy as np  # noqa: E402  # pylint: disable=wrong-import-position
 
-from MaxText import aot_compile, cli_args, compile_events, flops, jax_runtime, mesh, pyconfig, training_setup  # noqa: E402  # pylint: disable=wrong-import-position
-from MaxText.errors import run_and_exit_on_user_error  # noqa: E402  # pylint: disable=wrong-import-position
+from MaxText import pyconfig  # noqa: E402  # pylint: disable=wrong-import-position
+from MaxText.aot import aot_compile, compile_events
 from MaxText.input_pipeline.input_pipeline_interface import create_data_iterator  # noqa: E402  # pylint: disable=wrong-import-position
+from MaxText.runtime import cli_args, jax_runtime, mesh
+from MaxText.runtime.entry_point import run_and_exit_on_user_error  # noqa: E402  # pylint: disable=wrong-import-position
+from MaxText.training import flops, training_setup
 
 
 def _peak_memory_bytes() -> int | None:

@@ -4,8 +4,8 @@ import contextlib
 
 import jax
 
-from MaxText import fault_injection
 from MaxText.diagnostics import profiler, watchdog
+from MaxText.runtime import fault_injection
 
 
 class LoopDiagnostics:

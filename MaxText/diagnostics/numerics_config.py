@@ -35,7 +35,7 @@ import dataclasses
 import os
 import re
 
-from MaxText import config_loader
+from MaxText.configuration import config_loader
 from MaxText.errors import ConfigError
 from MaxText.layers import layer_names
 

@@ -16,8 +16,8 @@ import jax
 import yaml
 from etils import epath
 
-from MaxText import max_logging, metrics_file
-from MaxText.diagnostics import numerics_config, numerics_stats
+from MaxText import max_logging
+from MaxText.diagnostics import metrics_file, numerics_config, numerics_stats
 from MaxText.errors import UserError
 from MaxText.layers import layer_names
 

@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from MaxText import feature_protocol, pipeline_schedule
-from MaxText.common_types import STACK_NAMES
+from MaxText import feature_protocol
+from MaxText.configuration import pipeline_schedule
+from MaxText.configuration.common_types import STACK_NAMES
 
 
 def _schedule(config):

@@ -9,7 +9,8 @@ are restacked together.
 
 import jax
 
-from MaxText import checkpointing, max_logging, params_layout
+from MaxText import max_logging
+from MaxText.checkpoints import checkpointing, params_layout
 from MaxText.layers import layer_names, qlora
 from MaxText.layers import lora as adapters_layer
 

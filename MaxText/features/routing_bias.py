@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from MaxText import common_types, feature_protocol
+from MaxText import feature_protocol
+from MaxText.configuration import common_types
 from MaxText.layers import moe
 
 _BIAS = ("gate", "bias")

@@ -5,7 +5,8 @@ the one that keeps the routing biases out); loss terms add in this order; on_sta
 in the reverse (the pipeline's memory order is the last change made to the state, and the first undone).
 """
 
-from MaxText import feature_protocol, pipeline_schedule
+from MaxText import feature_protocol
+from MaxText.configuration import pipeline_schedule
 from MaxText.features import (
   context_parallel,
   dpo,

@@ -47,7 +47,7 @@ def converted_model(model_yml: str, params_dir: str, length: int, scan_layers: b
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
-  from MaxText import checkpointing  # pylint: disable=import-outside-toplevel
+  from MaxText.checkpoints import checkpointing  # pylint: disable=import-outside-toplevel
   from MaxText.hf_conversion import converter  # pylint: disable=import-outside-toplevel
   from MaxText.layers.models import Transformer  # pylint: disable=import-outside-toplevel
 

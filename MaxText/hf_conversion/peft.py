@@ -15,7 +15,8 @@ import types
 
 import numpy as np
 
-from MaxText import common_types, max_logging
+from MaxText import max_logging
+from MaxText.configuration import common_types
 from MaxText.errors import UserError
 from MaxText.hf_conversion import hf_io, maxtext_io, plan
 from MaxText.layers import lora

@@ -11,7 +11,7 @@ import re
 
 import numpy as np
 
-from MaxText.common_types import STACK_NAMES
+from MaxText.configuration.common_types import STACK_NAMES
 from MaxText.errors import UserError
 from MaxText.hf_conversion import tables
 

@@ -8,7 +8,7 @@ import dataclasses
 
 import numpy as np
 
-from MaxText import common_types
+from MaxText.configuration import common_types
 
 # How an HF tensor becomes a MaxText param (HF nn.Linear weights are (out, in); MaxText kernels are (in, out)).
 #   identity   norms, embeddings                              (X,) -> (X,)

@@ -11,7 +11,7 @@ import numpy as np
 from MaxText import max_logging
 from MaxText.errors import UserError
 from MaxText.input_pipeline import tf_example
-from MaxText.tokenizer import build_tokenizer
+from MaxText.input_pipeline.tokenizer import build_tokenizer
 
 
 def shift_to_inputs_and_targets(token_ids) -> dict:

@@ -18,7 +18,7 @@ import numpy as np
 
 from MaxText.errors import UserError
 from MaxText.input_pipeline.sft import SftDecoder, _text, _Where, check_rendered, data_columns
-from MaxText.tokenizer import build_tokenizer
+from MaxText.input_pipeline.tokenizer import build_tokenizer
 
 
 def _is_messages(value) -> bool:

@@ -10,7 +10,7 @@ import functools
 
 import jax
 
-from MaxText import max_logging, sharding
+from MaxText import max_logging
 from MaxText.errors import UserError
 from MaxText.input_pipeline import embedded_corpus, grain_source, hf_source, tfds_resplit, tfds_source
 from MaxText.input_pipeline.batching import RowStreamBatcher, ShardStreamBatcher, WorkerRowStreamBatcher
@@ -19,6 +19,7 @@ from MaxText.input_pipeline.dpo import DpoDecoder
 from MaxText.input_pipeline.multihost_dataloading import GlobalBatchIterator, data_shards, describe_rows, process_rows
 from MaxText.input_pipeline.sft import SftDecoder
 from MaxText.input_pipeline.synthetic import SyntheticDataIterator
+from MaxText.runtime import sharding
 
 
 def document_decoder(config, train: bool):

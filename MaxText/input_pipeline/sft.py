@@ -21,7 +21,7 @@ from MaxText import max_logging
 from MaxText.errors import UserError
 from MaxText.input_pipeline import tf_example
 from MaxText.input_pipeline.chat_template import ChatRenderer
-from MaxText.tokenizer import build_tokenizer
+from MaxText.input_pipeline.tokenizer import build_tokenizer
 
 MAX_DROPPED_IN_A_ROW = 1000
 

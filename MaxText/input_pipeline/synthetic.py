@@ -5,8 +5,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from MaxText import sharding
 from MaxText.input_pipeline.batching import check_state_kind
+from MaxText.runtime import sharding
 
 
 def _synthetic_batch(step, *, seed: int, shape: tuple[int, int], vocab_size: int) -> dict:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import flax.linen as nn
 
-from MaxText import attention_selection
+from MaxText.configuration import attention_selection
 from MaxText.layers import context_parallel
 from MaxText.layers.attentions import Attention
 from MaxText.layers.embeddings import LinearRopeScaling, Llama3RopeScaling

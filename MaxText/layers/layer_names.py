@@ -10,7 +10,7 @@ Gemma 2 scans pairs of layers: its names read decoder.layers.<pair>.local... and
 import dataclasses
 import re
 
-from MaxText.common_types import STACK_NAMES
+from MaxText.configuration.common_types import STACK_NAMES
 
 # The dense layers' types that `layer_types` selects, from the module's own name (attention: query, key, value,
 # qkv_proj, out; MLP: wi or wi_<i>, wo). Others (the MoE router `gate`, `logits_dense`) have no type.

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText import common_types, pipeline_schedule
+from MaxText.configuration import common_types, pipeline_schedule
 from MaxText.layers import (
   block_parts,
   context_parallel,

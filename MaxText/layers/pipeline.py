@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from MaxText.pipeline_schedule import Schedule
+from MaxText.configuration.pipeline_schedule import Schedule
 
 STATE_AXES = ("activation_stage", "activation_batch", "activation_length", "activation_embed")
 MICROBATCH_AXES = (None, "activation_batch", "activation_length", "activation_embed")

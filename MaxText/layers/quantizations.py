@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from flax.linen import fp8_ops
 from jax import lax
 
-from MaxText import common_types
+from MaxText.configuration import common_types
 from MaxText.errors import UserError
 from MaxText.layers import layer_names, quant_rules
 

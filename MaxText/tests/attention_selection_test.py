@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from MaxText import attention_selection
+from MaxText.configuration import attention_selection
 from MaxText.errors import ConfigError
 from MaxText.tests.helpers import tiny_config
 

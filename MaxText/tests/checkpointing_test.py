@@ -10,8 +10,9 @@ import time
 import numpy as np
 import pytest
 
-from MaxText import checkpointing, preemption
+from MaxText.checkpoints import checkpointing
 from MaxText.errors import UserError
+from MaxText.runtime import preemption
 from MaxText.tests.helpers import REPO_ROOT, TRAIN_PY, read_metrics, run_train, tiny_args, tiny_config
 
 

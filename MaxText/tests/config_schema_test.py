@@ -5,7 +5,8 @@ import re
 
 import pytest
 
-from MaxText import config_loader, config_schema, config_validation, pyconfig
+from MaxText import pyconfig
+from MaxText.configuration import config_loader, config_schema, config_validation
 from MaxText.errors import ConfigError
 from MaxText.tests.helpers import BASE_YML, TRAIN_PY, run_python
 
@@ -194,7 +195,7 @@ def test_train_py_help_lists_every_key_without_importing_jax(flag):
   assert result.stdout.startswith("Trains a decoder LM")
   _assert_lists_every_key(result.stdout)
   imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
-  assert "MaxText.config_schema" in imported and "jax" not in imported
+  assert "MaxText.configuration.config_schema" in imported and "jax" not in imported
 
 
 @pytest.mark.parametrize("argv", [["MaxText/decode.py", "--help"], ["MaxText/train_compile.py", BASE_YML, "-h"]])

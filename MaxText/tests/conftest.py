@@ -9,7 +9,7 @@ os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no TPU metadata server to as
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 # pylint: disable=wrong-import-position
-from MaxText import jax_runtime
+from MaxText.runtime import jax_runtime
 from MaxText.tests.helpers import TEST_JAX_CACHE_DIR
 
 jax_runtime.enable_compilation_cache(TEST_JAX_CACHE_DIR)

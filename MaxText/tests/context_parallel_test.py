@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import attention_selection, pyconfig
+from MaxText import pyconfig
+from MaxText.configuration import attention_selection
 from MaxText.errors import ConfigError
 from MaxText.layers import attention_masks, context_parallel
 from MaxText.tests.helpers import BASE_YML, REPO_ROOT, cpu_env, run_python, tiny_args
@@ -197,7 +198,7 @@ def test_flash_heads_must_divide_over_sequence():
 def test_context_parallelism_compiles_for_tpu(strategy):
   """train_compile.py's path on a v5e-8 target: all_gather with the flash (splash) kernel cut into the query shards,
   and ring (dot_product blocks passed around with collective-permutes)."""
-  from MaxText import aot_compile  # pylint: disable=import-outside-toplevel
+  from MaxText.aot import aot_compile  # pylint: disable=import-outside-toplevel
 
   kernel = "flash" if strategy == "all_gather" else "dot_product"
   args = tiny_args("compile_topology=v5e-8", "dataset_type=synthetic", "max_target_length=1024", "per_device_batch_size=1")
@@ -242,7 +243,7 @@ def test_ring_never_holds_the_whole_key_value_sequence():
 @pytest.mark.slow  # about 3 minutes on 2 cores: a 31.7B model on 256 devices, the splash mask of 65536 tokens
 def test_upstreams_long_context_aot_case_compiles_and_fits():
   """Upstream's own train_compile.py case, refused before with `attention=flash cannot shard the sequence`."""
-  from MaxText import aot_compile  # pylint: disable=import-outside-toplevel
+  from MaxText.aot import aot_compile  # pylint: disable=import-outside-toplevel
 
   args = ["compile_topology=v5e-256", "compile_topology_num_slices=1", "use_iota_embed=true", "ici_sequence_parallelism=16"]
   args += ["global_parameter_scale=32", "per_device_batch_size=0.0625", "max_target_length=65536"]
@@ -254,7 +255,7 @@ def test_upstreams_long_context_aot_case_compiles_and_fits():
 
 def test_a_mesh_the_torus_cannot_hold_is_one_line():
   """v5p-256 is a 4x4x8 torus of 128 chips: a context axis of 64 spans parts of two physical axes."""
-  from MaxText import aot_compile  # pylint: disable=import-outside-toplevel
+  from MaxText.aot import aot_compile  # pylint: disable=import-outside-toplevel
   from MaxText.errors import UserError  # pylint: disable=import-outside-toplevel
 
   args = tiny_args(

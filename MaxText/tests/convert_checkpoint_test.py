@@ -13,7 +13,7 @@ import torch  # requirements-test.txt
 import transformers
 from safetensors import safe_open
 
-from MaxText import checkpointing
+from MaxText.checkpoints import checkpointing
 from MaxText.features import selection
 from MaxText.hf_conversion import converter, logit_check, maxtext_io
 from MaxText.tests.helpers import run_python
@@ -174,7 +174,7 @@ def test_step0_training_loss_is_transformers_cross_entropy(converted, family):
   """train_step's loss (without auxiliary terms) on the converted params equals transformers' loss with labels."""
   import jax  # pylint: disable=import-outside-toplevel
 
-  from MaxText import train_step  # pylint: disable=import-outside-toplevel
+  from MaxText.training import train_step  # pylint: disable=import-outside-toplevel
 
   hf_dir, maxtext_dir = converted(family)
   tokens = logit_check.random_tokens(TINY["vocab_size"])  # (B, T): T - 1 inputs and their next tokens

@@ -12,8 +12,9 @@ import pytest
 import torch  # requirements-test.txt
 import transformers
 
-from MaxText import pyconfig, tokenizer
+from MaxText import pyconfig
 from MaxText.hf_conversion import converter, tokenizer_files
+from MaxText.input_pipeline import tokenizer
 
 TEXT = "Hello world! The theory of the thing: 12345 apples, <|eot_id|> then more text.\nA second line."
 CORPUS = [

@@ -12,21 +12,21 @@ from MaxText.tests.helpers import REPO_ROOT
 PACKAGE = os.path.join(REPO_ROOT, "MaxText")
 # The training core: the step, the state, the loop, where a run starts, evaluation, checkpointing, the emergency tier.
 CORE = (
-  "train_step.py",
-  "jit_steps.py",
-  "step_metrics.py",
-  "train_state.py",
-  "step_loop.py",
-  "starting_state.py",
-  "evaluation.py",
-  "checkpointing.py",
-  "emergency_checkpoint.py",
+  "training/train_step.py",
+  "training/jit_steps.py",
+  "training/step_metrics.py",
+  "training/train_state.py",
+  "training/step_loop.py",
+  "training/starting_state.py",
+  "training/evaluation.py",
+  "checkpoints/checkpointing.py",
+  "training/emergency_checkpoint.py",
 )
 ALLOWED = "MaxText.feature_protocol"
 # Modules that hold a feature's own code outside features/ (its layer, its diagnostics).
 FEATURE_MODULES = re.compile(
   r"^MaxText\.(features\..*|layers\.(lora|qlora|quantizations|multi_token_prediction|context_parallel)"
-  r"|diagnostics\.numerics_\w+|pipeline_schedule)$"
+  r"|diagnostics\.numerics_\w+|configuration\.pipeline_schedule)$"
 )
 FEATURE_WORDS = re.compile(r"dpo|lora|qlora|routing_bias|fp8|numerics|mtp|pipeline_layout|distill|muon|z_loss", re.I)
 
@@ -50,7 +50,7 @@ def test_core_modules_import_no_feature_module_only_the_protocol():
 
 
 def test_importing_the_core_loads_no_feature_module():
-  modules = ", ".join(f"MaxText.{name.removesuffix('.py')}" for name in CORE)
+  modules = ", ".join(f"MaxText.{name.removesuffix('.py').replace('/', '.')}" for name in CORE)
   code = f"import sys, {modules}; print('\\n'.join(sorted(sys.modules)))"
   loaded = subprocess.run(
     [sys.executable, "-c", code],

@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from MaxText import mesh
 from MaxText.errors import UserError
 from MaxText.input_pipeline import hf_source, input_pipeline_interface
 from MaxText.input_pipeline.dpo import DpoDecoder
 from MaxText.input_pipeline.sft import SftDecoder
+from MaxText.runtime import mesh
 from MaxText.tests.helpers import run_train, tiny_config
 from MaxText.tests.sft_test import _config, build_chat_tokenizer
 

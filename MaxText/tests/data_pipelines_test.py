@@ -9,8 +9,9 @@ import sys
 import numpy as np
 import pytest
 
-from MaxText import mesh
 from MaxText.input_pipeline import input_pipeline_interface, sample_datasets
+from MaxText.input_pipeline.tokenizer import build_tokenizer
+from MaxText.runtime import mesh
 from MaxText.tests.helpers import (
   REPO_ROOT,
   TRAIN_PY,
@@ -23,7 +24,6 @@ from MaxText.tests.helpers import (
   tiny_args,
   tiny_config,
 )
-from MaxText.tokenizer import build_tokenizer
 
 LIMIT = 300  # documents per split: enough for the tests, quick to prepare
 

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from MaxText.errors import run_and_exit_on_user_error
+from MaxText.runtime.entry_point import run_and_exit_on_user_error
 from MaxText.tests.helpers import BASE_YML, REPO_ROOT, run_python, tiny_args
 
 DECODE_BENCHMARK = os.path.join(REPO_ROOT, "benchmarks", "decode_benchmark.py")

@@ -9,8 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import decode, decoding, mesh, sharding
+from MaxText import decode
 from MaxText.errors import UserError
+from MaxText.inference import decoding
+from MaxText.runtime import mesh, sharding
 from MaxText.tests.deepseek_test import DEEPSEEK
 from MaxText.tests.families_test import FAMILIES
 from MaxText.tests.helpers import (
@@ -97,7 +99,7 @@ def test_rows_stop_at_an_end_token():
 
 
 def test_end_tokens_include_llama3_end_of_turn(tmp_path):
-  from MaxText.tokenizer import TikTokenTokenizer  # pylint: disable=import-outside-toplevel
+  from MaxText.input_pipeline.tokenizer import TikTokenTokenizer  # pylint: disable=import-outside-toplevel
 
   ranks = tmp_path / "tokenizer.tiktoken"
   ranks.write_text("".join(f"{__import__('base64').b64encode(bytes([i])).decode()} {i}\n" for i in range(256)))

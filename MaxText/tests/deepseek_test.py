@@ -11,12 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import flops, layer_stacking, mesh, params_layout, train_step, training_setup
+from MaxText.checkpoints import layer_stacking, params_layout
 from MaxText.errors import ConfigError
 from MaxText.features import losses, selection
 from MaxText.layers import models, moe
 from MaxText.layers.multi_token_prediction import MTP_LOGITS
+from MaxText.runtime import mesh
 from MaxText.tests.helpers import tiny_config
+from MaxText.training import flops, train_step, training_setup
 
 # 1 dense layer, then 2 MoE layers of 8 experts in 4 groups (2 searched), k 2, a shared expert; latent attention with
 # a query bottleneck and YaRN.
@@ -257,7 +259,7 @@ def test_the_latent_cache_is_smaller_than_a_full_kv_cache_by_the_expected_ratio(
 
 
 def test_a_checkpoint_with_mtp_depths_names_the_key_a_run_without_them_needs():
-  from MaxText import checkpointing  # pylint: disable=import-outside-toplevel
+  from MaxText.checkpoints import checkpointing  # pylint: disable=import-outside-toplevel
 
   shape = jax.ShapeDtypeStruct((4,), jnp.float32)
   saved = {"decoder": {"decoder_norm": {"scale": shape}, "mtp_1": {"norm": {"scale": shape}}}}

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from MaxText import disk_full
+from MaxText.checkpoints import disk_full
 from MaxText.tests.helpers import run_train
 
 FS_BYTES = 4 * 2**20

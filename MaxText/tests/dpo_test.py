@@ -12,7 +12,7 @@ import pytest
 import torch  # requirements-test.txt
 import transformers
 
-from MaxText import checkpointing
+from MaxText.checkpoints import checkpointing
 from MaxText.errors import ConfigError, UserError
 from MaxText.features import selection
 from MaxText.input_pipeline.dpo import DpoDecoder
@@ -121,8 +121,8 @@ def _ours(tokenizer_dir, policy_dir, reference_dir) -> dict:
   """Our DPO loss and metrics, means over PAIRS, of a policy against a reference (both converted MaxText dirs)."""
   import jax  # pylint: disable=import-outside-toplevel
 
-  from MaxText import train_step  # pylint: disable=import-outside-toplevel
   from MaxText.hf_conversion import converter, logit_check  # pylint: disable=import-outside-toplevel
+  from MaxText.training import train_step  # pylint: disable=import-outside-toplevel
 
   def converted(directory):
     return logit_check.converted_model(
@@ -379,11 +379,11 @@ def test_a_qlora_dpo_step_moves_the_adapters_only(qtype):
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
-  from MaxText import train_step, training_setup  # pylint: disable=import-outside-toplevel
   from MaxText.layers import layer_names  # pylint: disable=import-outside-toplevel
-  from MaxText.mesh import create_device_mesh  # pylint: disable=import-outside-toplevel
+  from MaxText.runtime.mesh import create_device_mesh  # pylint: disable=import-outside-toplevel
   from MaxText.tests.helpers import token_batch  # pylint: disable=import-outside-toplevel
   from MaxText.tests.lora_test import _nonzero_b  # pylint: disable=import-outside-toplevel
+  from MaxText.training import train_step, training_setup  # pylint: disable=import-outside-toplevel
 
   keys = ("use_dpo=true", "enable_lora=true", "lora_rank=4", f"lora_weight_qtype={qtype}", "warmup_steps_fraction=0")
   config = tiny_config(*keys, "learning_rate=1e-2")

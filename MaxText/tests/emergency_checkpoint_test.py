@@ -118,7 +118,7 @@ def test_one_process_saves_and_restores_its_local_tier(tmp_path, flags):
 
 def _local_params(step_dir) -> list[tuple]:
   """The key paths under params of a local-tier step's saved state."""
-  from MaxText import checkpointing  # pylint: disable=import-outside-toplevel
+  from MaxText.checkpoints import checkpointing  # pylint: disable=import-outside-toplevel
   from MaxText.layers import layer_names  # pylint: disable=import-outside-toplevel
 
   tree = checkpointing.tree_metadata(step_dir / checkpointing.STATE_ITEM, "local tier")

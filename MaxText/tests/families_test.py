@@ -15,9 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import layer_stacking, mesh, train_step, training_setup
+from MaxText.checkpoints import layer_stacking
 from MaxText.layers import attention_masks, attentions, block_parts, embeddings, linears, models, normalizations
+from MaxText.runtime import mesh
 from MaxText.tests.helpers import tiny_config
+from MaxText.training import train_step, training_setup
 
 BATCH, LENGTH = 2, 16
 F64 = np.float64

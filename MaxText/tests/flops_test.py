@@ -2,8 +2,9 @@
 
 import pytest
 
-from MaxText import flops, pyconfig
+from MaxText import pyconfig
 from MaxText.tests.helpers import BASE_YML
+from MaxText.training import flops
 
 
 def _config(*args):

@@ -5,9 +5,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from MaxText import generate_param_only_checkpoint, memory_check, mesh, training_setup
+from MaxText import generate_param_only_checkpoint
 from MaxText.errors import UserError
+from MaxText.runtime import memory_check, mesh
 from MaxText.tests.helpers import BASE_YML, run_train, tiny_args, tiny_config
+from MaxText.training import training_setup
 
 
 def _generate(tmp_path, run_name, *args, memory_limit_bytes=None):

@@ -11,7 +11,7 @@ import types
 import jax
 import pytest
 
-from MaxText.errors import run_and_exit_on_user_error
+from MaxText.runtime.entry_point import run_and_exit_on_user_error
 from MaxText.tests.helpers import BASE_YML, REPO_ROOT, TEST_JAX_CACHE_DIR, run_python, tiny_args
 
 GPU_BENCHMARK = os.path.join(REPO_ROOT, "benchmarks", "gpu_benchmark.py")
@@ -194,7 +194,7 @@ def test_train_step_benchmark_wrong_steps_are_one_line(capsys, args, message):
 
 
 def test_decode_roofline_counts_params_and_the_whole_kv_cache():
-  from MaxText import decode_roofline  # pylint: disable=import-outside-toplevel
+  from MaxText.inference import decode_roofline  # pylint: disable=import-outside-toplevel
 
   config = types.SimpleNamespace(
     num_decoder_layers=16, num_kv_heads=8, head_dim=128, dtype="bfloat16", max_target_length=4096
@@ -211,7 +211,7 @@ def test_decode_roofline_counts_params_and_the_whole_kv_cache():
 
 def test_flag_ablation_runs_each_flag_of_the_preset_alone():
   gpu_benchmark = _load("gpu_benchmark")
-  from MaxText.xla_flag_presets import A3MEGA  # pylint: disable=import-outside-toplevel
+  from MaxText.runtime.xla_flag_presets import A3MEGA  # pylint: disable=import-outside-toplevel
 
   user = "--xla_gpu_enable_triton_gemm=true"  # the user's value wins: that flag is not measured alone
   runs = gpu_benchmark.flag_ablation_runs("a3mega", user)

@@ -3,7 +3,7 @@ each costed by the compiler's cycles or its own roofline, one after another, aga
 
 import pytest
 
-from MaxText import hlo_ops, roofline
+from MaxText.aot import hlo_ops, roofline
 
 PEAK = 100e12  # FLOP/s
 BANDWIDTH = 1e12  # bytes/s

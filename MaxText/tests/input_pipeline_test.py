@@ -6,12 +6,12 @@ import grain
 import numpy as np
 import pytest
 
-from MaxText import mesh
 from MaxText.input_pipeline import embedded_corpus
 from MaxText.input_pipeline.batching import RowStreamBatcher
 from MaxText.input_pipeline.documents import shift_to_inputs_and_targets
 from MaxText.input_pipeline.input_pipeline_interface import create_data_iterator, document_decoder
 from MaxText.input_pipeline.packing import PackedStream, RandomAccessCursor
+from MaxText.runtime import mesh
 from MaxText.tests.helpers import tiny_config
 
 ROWS, LENGTH = 4, 32

@@ -3,8 +3,9 @@ and their ring costs on a target's links, against closed forms computed by hand.
 
 import pytest
 
-from MaxText import aot_targets, hlo_collectives, interconnect, roofline
-from MaxText.interconnect import Device
+from MaxText.aot import hlo_collectives, interconnect, roofline
+from MaxText.aot.interconnect import Device
+from MaxText.runtime import aot_targets
 
 GB = 1e9
 

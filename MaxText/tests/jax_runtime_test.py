@@ -5,8 +5,8 @@ import time
 import portpicker
 import pytest
 
-from MaxText import cluster
 from MaxText.errors import ConfigError
+from MaxText.runtime import cluster
 from MaxText.tests.helpers import BASE_YML, TRAIN_PY, run_python, tiny_args
 
 

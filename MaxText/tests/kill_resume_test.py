@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from MaxText import fault_injection
+from MaxText.runtime import fault_injection
 from MaxText.tests.helpers import REPO_ROOT, TRAIN_PY, read_metrics, tiny_args
 
 STEPS = 40

@@ -6,14 +6,14 @@ import json
 import numpy as np
 import pytest
 
-from MaxText import config_loader
+from MaxText.configuration import config_loader
 from MaxText.errors import ConfigError
 from MaxText.tests.helpers import BASE_YML, TRAIN_PY, run_python, run_train, tiny_config
 
 
 def _setup(*args):
-  from MaxText import training_setup  # pylint: disable=import-outside-toplevel
-  from MaxText.mesh import create_device_mesh  # pylint: disable=import-outside-toplevel
+  from MaxText.runtime.mesh import create_device_mesh  # pylint: disable=import-outside-toplevel
+  from MaxText.training import training_setup  # pylint: disable=import-outside-toplevel
 
   config = tiny_config("enable_lora=true", *args)
   return config, training_setup.build(config, create_device_mesh(config))
@@ -57,9 +57,9 @@ def test_a_module_path_that_selects_nothing_is_one_line():
 def test_a_step_moves_the_adapters_only():
   import jax  # pylint: disable=import-outside-toplevel
 
-  from MaxText import train_step  # pylint: disable=import-outside-toplevel
-  from MaxText.mesh import create_device_mesh  # pylint: disable=import-outside-toplevel
+  from MaxText.runtime.mesh import create_device_mesh  # pylint: disable=import-outside-toplevel
   from MaxText.tests.helpers import token_batch  # pylint: disable=import-outside-toplevel
+  from MaxText.training import train_step  # pylint: disable=import-outside-toplevel
 
   config, setup = _setup("learning_rate=1e-2", "warmup_steps_fraction=0")
   mesh = create_device_mesh(config)
@@ -96,12 +96,10 @@ def _lora_logits(run_dir: str, base_params: str, model_yml: str, tokens: np.ndar
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
-  from MaxText import (
-    checkpointing,  # pylint: disable=import-outside-toplevel
-    training_setup,  # pylint: disable=import-outside-toplevel
-  )
+  from MaxText.checkpoints import checkpointing
   from MaxText.features import lora  # pylint: disable=import-outside-toplevel
   from MaxText.hf_conversion import converter  # pylint: disable=import-outside-toplevel
+  from MaxText.training import training_setup
 
   run_config, items = converter.load_maxtext_dir(run_dir)
   keys = ("enable_lora", "lora_rank", "lora_alpha", "lora_module_path")
@@ -181,7 +179,7 @@ def test_lora_round_trip_peft_and_merged_export_give_our_logits(tmp_path, capsys
   # decode.py's params: the run's adapters (its latest checkpoint) joined onto load_parameters_path's base.
   np.testing.assert_allclose(_decoding_logits(tmp_path, base_params, model_yml, tokens), ours, atol=1e-5)
   # Without enable_lora decode would leave the run's adapters out: it says so.
-  from MaxText import decoding  # pylint: disable=import-outside-toplevel
+  from MaxText.inference import decoding  # pylint: disable=import-outside-toplevel
 
   run_keys = dict(run_name="lora", base_output_directory=str(tmp_path), load_parameters_path=base_params)
   decoding._warn_if_the_run_has_adapters(converter.maxtext_config(model_yml, **run_keys))  # pylint: disable=protected-access
@@ -218,8 +216,9 @@ def _decoding_logits(tmp_path, base_params: str, model_yml: str, tokens: np.ndar
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
-  from MaxText import decoding, mesh  # pylint: disable=import-outside-toplevel
   from MaxText.hf_conversion import converter  # pylint: disable=import-outside-toplevel
+  from MaxText.inference import decoding  # pylint: disable=import-outside-toplevel
+  from MaxText.runtime import mesh  # pylint: disable=import-outside-toplevel
 
   run_keys = dict(run_name="lora", base_output_directory=str(tmp_path), load_parameters_path=base_params)
   lora_keys = dict(enable_lora=True, lora_rank=4, lora_alpha=8.0, lora_module_path=LORA_MODULES)
@@ -281,8 +280,9 @@ def test_to_maxtext_reads_a_peft_adapter_and_gives_its_logits(tmp_path):
   # A run started from those params starts from the adapter, not from fresh adapters.
   import jax  # pylint: disable=import-outside-toplevel
 
-  from MaxText import pyconfig, starting_state, training_setup  # pylint: disable=import-outside-toplevel
-  from MaxText.mesh import create_device_mesh  # pylint: disable=import-outside-toplevel
+  from MaxText import pyconfig  # pylint: disable=import-outside-toplevel
+  from MaxText.runtime.mesh import create_device_mesh  # pylint: disable=import-outside-toplevel
+  from MaxText.training import starting_state, training_setup
 
   config = pyconfig.initialize(["t", model_yml, "run_name=t", f"load_parameters_path={out / 'params'}"], environ={})
   mesh = create_device_mesh(config)
@@ -316,8 +316,9 @@ def _lora_logits_of_params(model_yml: str, params_dir: str, tokens: np.ndarray) 
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
-  from MaxText import checkpointing, training_setup  # pylint: disable=import-outside-toplevel
+  from MaxText.checkpoints import checkpointing  # pylint: disable=import-outside-toplevel
   from MaxText.hf_conversion import converter  # pylint: disable=import-outside-toplevel
+  from MaxText.training import training_setup  # pylint: disable=import-outside-toplevel
 
   config = converter.maxtext_config(model_yml, dtype="float32", weight_dtype="float32", max_target_length=tokens.shape[1])
   model = training_setup.create_model(config)
@@ -340,7 +341,8 @@ def peft_file(adapter_dir: str) -> dict:
 def test_llama2_7b_lora_fits_v5e_8_with_room():
   """The frozen base's gradients stay sharded: zero updates that did not read them left them whole on every device
   (25.5 GiB of temporaries; full fine-tuning needs 15.74 GiB in all, LoRA rank 16 8.79 GiB)."""
-  from MaxText import aot_compile, pyconfig  # pylint: disable=import-outside-toplevel
+  from MaxText import pyconfig  # pylint: disable=import-outside-toplevel
+  from MaxText.aot import aot_compile
 
   args = ["model_name=llama2-7b", "compile_topology=v5e-8", "per_device_batch_size=1", "dataset_type=synthetic"]
   config = pyconfig.initialize(
@@ -356,9 +358,9 @@ def test_the_logged_size_is_the_model_and_its_adapters_whatever_the_base_is_held
   """QLoRA's codes count as the weights they hold (nf4: two a byte) and their scales not at all."""
   import jax  # pylint: disable=import-outside-toplevel
 
-  from MaxText import training_setup  # pylint: disable=import-outside-toplevel
   from MaxText.features import lora  # pylint: disable=import-outside-toplevel
-  from MaxText.mesh import create_device_mesh  # pylint: disable=import-outside-toplevel
+  from MaxText.runtime.mesh import create_device_mesh  # pylint: disable=import-outside-toplevel
+  from MaxText.training import training_setup  # pylint: disable=import-outside-toplevel
 
   plain = tiny_config()
   model = sum(x.size for x in jax.tree.leaves(training_setup.build(plain, create_device_mesh(plain)).abstract_state.params))

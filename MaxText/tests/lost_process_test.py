@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from MaxText import fault_injection, peer_monitor
+from MaxText.runtime import fault_injection, peer_monitor
 from MaxText.tests.helpers import TRAIN_PY, finish_processes, read_metrics, start_cpu_processes, tiny_args
 
 STEPS = 9

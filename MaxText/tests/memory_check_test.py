@@ -4,9 +4,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from MaxText import aot_compile, memory_check, mesh, training_setup
+from MaxText.aot import aot_compile
 from MaxText.errors import UserError
+from MaxText.runtime import memory_check, mesh
 from MaxText.tests.helpers import run_train, tiny_config
+from MaxText.training import training_setup
 
 MIB = 2**20
 

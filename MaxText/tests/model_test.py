@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import common_types, layer_stacking
+from MaxText.checkpoints import layer_stacking
+from MaxText.configuration import common_types
 from MaxText.layers import embeddings, linears, models
 from MaxText.layers.attentions import dot_product_attention
 from MaxText.tests import numpy_reference

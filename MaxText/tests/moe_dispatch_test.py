@@ -17,11 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import aot_compile, mesh, pyconfig, sharding, training_setup
+from MaxText import pyconfig
+from MaxText.aot import aot_compile
 from MaxText.errors import ConfigError
 from MaxText.layers import moe_dispatch
+from MaxText.runtime import mesh, sharding
 from MaxText.tests.deepseek_test import DEEPSEEK
 from MaxText.tests.helpers import BASE_YML, TEST_JAX_CACHE_DIR, run_python, tiny_args, tiny_config
+from MaxText.training import training_setup
 
 E, K = 8, 2  # experts (2 on each of 4 expert shards), experts per token
 # The experts' mlp dim: 48, 24 per tensor shard (no other dim of the tiny model is 24).
@@ -144,7 +147,7 @@ def _expert_weight_shapes(config, device_mesh) -> list[str]:
 
 def _child(out_dir):
   """Trains every family on 1 and on 8 devices in both modes; compiles qwen3_moe's forward in both modes."""
-  from MaxText.jax_runtime import enable_compilation_cache  # pylint: disable=import-outside-toplevel
+  from MaxText.runtime.jax_runtime import enable_compilation_cache  # pylint: disable=import-outside-toplevel
   from MaxText.tests.sharded_runs import train_run  # pylint: disable=import-outside-toplevel
 
   enable_compilation_cache(TEST_JAX_CACHE_DIR)

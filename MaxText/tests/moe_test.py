@@ -8,10 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import layer_stacking, mesh, pyconfig, sharding, train_step, training_setup
+from MaxText import pyconfig
+from MaxText.checkpoints import layer_stacking
 from MaxText.features import selection
 from MaxText.layers import models, moe
+from MaxText.runtime import mesh, sharding
 from MaxText.tests.helpers import BASE_YML, run_train, tiny_config
+from MaxText.training import train_step, training_setup
 
 E, K, D, M = 4, 2, 8, 16  # experts, experts per token, embed, mlp
 MIXTRAL = ["decoder_block=mixtral", f"num_experts={E}", f"num_experts_per_tok={K}"]

@@ -15,12 +15,12 @@ import time
 import numpy as np
 import pytest
 
-from MaxText import mesh as mesh_lib
-from MaxText import sharding
 from MaxText.input_pipeline import sample_datasets
 from MaxText.input_pipeline.batching import merge_process_states
 from MaxText.input_pipeline.input_pipeline_interface import local_batcher
 from MaxText.input_pipeline.multihost_dataloading import device_shard, process_rows
+from MaxText.runtime import mesh as mesh_lib
+from MaxText.runtime import sharding
 from MaxText.tests.helpers import tiny_config
 
 # libtpu's topology descriptions of 2- and 4-host slices (4 chips per host).

@@ -6,10 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import aot_compile, mesh, sharding, step_loop, training_setup
+from MaxText.aot import aot_compile
 from MaxText.diagnostics import nonfinite
 from MaxText.layers import layer_names
+from MaxText.runtime import mesh, sharding
 from MaxText.tests.helpers import run_train, tiny_config, token_batch
+from MaxText.training import step_loop, training_setup
 
 NAN_PARAM = "decoder.layers.1.mlp.wi_0.kernel"
 

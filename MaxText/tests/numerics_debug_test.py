@@ -13,13 +13,16 @@ import numpy as np
 import pytest
 from jax import lax
 
-from MaxText import aot_compile, compiled_step_file, layer_stacking, mesh, sharding, train_step, training_setup
+from MaxText.aot import aot_compile, compiled_step_file
+from MaxText.checkpoints import layer_stacking
 from MaxText.diagnostics import numerics_config, numerics_log, numerics_stats, numerics_taps
 from MaxText.errors import ConfigError
 from MaxText.features import selection
 from MaxText.layers import layer_names, linears, models
 from MaxText.list_layers import layer_lines
+from MaxText.runtime import mesh, sharding
 from MaxText.tests.helpers import TRAIN_PY, run_python, tiny_args, tiny_config, token_batch
+from MaxText.training import train_step, training_setup
 
 ALL_STATS = (*numerics_config.STATS, *numerics_config.FP8_STATS)
 

@@ -57,7 +57,7 @@ def test_the_checkpoint_standard_logger_logs_each_save_and_restore(tmp_path):
 def test_the_cloud_logger_without_its_package_is_one_line(monkeypatch, capsys):
   import sys  # pylint: disable=import-outside-toplevel
 
-  from MaxText import checkpoint_loggers  # pylint: disable=import-outside-toplevel
+  from MaxText.checkpoints import checkpoint_loggers  # pylint: disable=import-outside-toplevel
 
   for module in ("google.cloud.logging", "orbax.checkpoint._src.logging.cloud_logger"):
     monkeypatch.setitem(sys.modules, module, None)  # as if google-cloud-logging were not installed
@@ -125,7 +125,7 @@ def test_goodput_events_map_to_ml_goodput_measurements_records():
   writer (no Cloud Logging here), gets each local event as the entries its calculator reads."""
   from ml_goodput_measurement import goodput as library  # pylint: disable=import-outside-toplevel
 
-  from MaxText import goodput_cloud  # pylint: disable=import-outside-toplevel
+  from MaxText.runtime import goodput_cloud  # pylint: disable=import-outside-toplevel
 
   class Entries:
     def __init__(self):
@@ -155,7 +155,7 @@ def test_goodput_events_map_to_ml_goodput_measurements_records():
 
 def test_goodput_of_a_run_killed_once_and_resumed(tmp_path):
   """Killed while saving step 6 (checkpoints 0 and 3 are complete), then resumed from 3: steps 4-6 ran twice."""
-  from MaxText import goodput  # pylint: disable=import-outside-toplevel
+  from MaxText.runtime import goodput  # pylint: disable=import-outside-toplevel
 
   flags = ("steps=9", "checkpoint_period=3", "enable_goodput_recording=true")
   killed, _ = run_train(tmp_path, "gp", *flags, env={"MAXTEXT_FAULT_INJECTION": "kill_during_save:6"})
@@ -171,9 +171,9 @@ def test_goodput_of_a_run_killed_once_and_resumed(tmp_path):
   assert report.badput["restore"] > 0 and report.badput["checkpoint_save"] > 0
   assert report.productive + sum(report.badput.values()) == pytest.approx(report.wall, rel=1e-6)
   assert f"Goodput {100 * report.goodput:.1f}% over 2 attempt(s)" in resumed.stdout  # the end-of-run report
-  cli = run_python(["MaxText/goodput.py", str(tmp_path / "gp")])
+  cli = run_python(["MaxText/runtime/goodput.py", str(tmp_path / "gp")])
   assert cli.returncode == 0 and "badput, steps lost to a restart: " in cli.stdout and ", 3 step(s)" in cli.stdout
-  missing = run_python(["MaxText/goodput.py", str(tmp_path / "nothing")])
+  missing = run_python(["MaxText/runtime/goodput.py", str(tmp_path / "nothing")])
   assert missing.returncode == 2 and "was the run recorded with enable_goodput_recording=true?" in missing.stderr
 
 
@@ -185,8 +185,8 @@ def test_monitor_goodput_logs_the_goodput_so_far(tmp_path):
 
 
 def test_goodput_recording_needs_a_local_run_directory():
-  from MaxText import goodput  # pylint: disable=import-outside-toplevel
   from MaxText.errors import UserError  # pylint: disable=import-outside-toplevel
+  from MaxText.runtime import goodput  # pylint: disable=import-outside-toplevel
 
   with pytest.raises(UserError, match=r"appends its events to a local file, and the run directory gs://b/r is not local"):
     goodput.Recorder("gs://b/r")

@@ -6,8 +6,8 @@ import numpy as np
 import optax
 import pytest
 
-from MaxText import optimizers
 from MaxText.tests.helpers import tiny_config
+from MaxText.training import optimizers
 
 STEPS = 4
 

@@ -8,7 +8,7 @@ import types
 import numpy as np
 import pytest
 
-from MaxText import pipeline_schedule
+from MaxText.configuration import pipeline_schedule
 from MaxText.errors import ConfigError
 from MaxText.tests.helpers import run_python, tiny_args, tiny_config
 

@@ -6,10 +6,10 @@ import os
 import numpy as np
 import pytest
 
-from MaxText import metric_logger, metrics_file
-from MaxText.diagnostics import plots
+from MaxText.diagnostics import metrics_file, plots
 from MaxText.errors import UserError
 from MaxText.tests.helpers import TRAIN_PY, read_metrics, run_python, run_train, tiny_args, tiny_config
+from MaxText.training import metric_logger
 
 PLOT_METRICS_PY = os.path.join(os.path.dirname(TRAIN_PY), "plot_metrics.py")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

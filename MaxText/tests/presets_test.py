@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from MaxText import config_loader, pyconfig
+from MaxText import pyconfig
+from MaxText.configuration import config_loader
 from MaxText.layers import models
 from MaxText.tests.helpers import BASE_YML
 

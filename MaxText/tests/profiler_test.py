@@ -170,7 +170,7 @@ def test_training_with_nsys_calls_the_cuda_profiler_around_the_steps(tmp_path, f
 
 
 def test_diagnostics_keys_leave_the_compiled_step_alone():
-  from MaxText import compiled_step_file  # pylint: disable=import-outside-toplevel
+  from MaxText.aot import compiled_step_file  # pylint: disable=import-outside-toplevel
   from MaxText.tests.helpers import tiny_config  # pylint: disable=import-outside-toplevel
 
   diagnostics = tiny_config(

@@ -5,7 +5,8 @@ import os
 import pytest
 import yaml
 
-from MaxText import config_loader, pyconfig
+from MaxText import pyconfig
+from MaxText.configuration import config_loader
 from MaxText.errors import ConfigError
 from MaxText.tests.helpers import BASE_YML, tiny_args, tiny_config
 

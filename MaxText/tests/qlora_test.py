@@ -103,9 +103,9 @@ def test_nf4_blocks_along_the_input_axis_with_the_largest_factor_of_64():
 
 
 def _setup(*args):
-  from MaxText import training_setup  # pylint: disable=import-outside-toplevel
-  from MaxText.mesh import create_device_mesh  # pylint: disable=import-outside-toplevel
+  from MaxText.runtime.mesh import create_device_mesh  # pylint: disable=import-outside-toplevel
   from MaxText.tests.helpers import tiny_config  # pylint: disable=import-outside-toplevel
+  from MaxText.training import training_setup  # pylint: disable=import-outside-toplevel
 
   config = tiny_config("enable_lora=true", "lora_module_path=decoder/layers/self_attention/(query|value)", *args)
   mesh = create_device_mesh(config)
@@ -132,8 +132,8 @@ def test_a_qlora_state_holds_every_dense_kernel_quantized_and_adam_only_the_adap
 def _losses(config, mesh, setup, float_params, steps: int = 3) -> list[float]:
   import jax  # pylint: disable=import-outside-toplevel
 
-  from MaxText import train_step  # pylint: disable=import-outside-toplevel
   from MaxText.tests.helpers import token_batch  # pylint: disable=import-outside-toplevel
+  from MaxText.training import train_step  # pylint: disable=import-outside-toplevel
 
   state = setup.init_state(config, mesh)
   held = setup.abstract_state.params  # quantized as starting_state does: codes and scales sharded as the run holds them
@@ -252,8 +252,9 @@ def test_the_float_base_is_quantized_one_kernel_at_a_time_as_it_loads(tmp_path, 
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
 
   # pylint: disable=import-outside-toplevel
-  from MaxText import checkpointing, starting_state
+  from MaxText.checkpoints import checkpointing
   from MaxText.features import lora, qlora_loading
+  from MaxText.training import starting_state
 
   config, mesh, setup = _setup()
   state = setup.init_state(config, mesh)

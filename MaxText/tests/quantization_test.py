@@ -13,11 +13,13 @@ import orbax.checkpoint as ocp
 import pytest
 from jax import lax
 
-from MaxText import aot_compile, mesh, sharding, training_setup
+from MaxText.aot import aot_compile
 from MaxText.errors import ConfigError
 from MaxText.layers import kv_cache, linears, quantizations
+from MaxText.runtime import mesh, sharding
 from MaxText.tests import decode_test, kill_resume_test
 from MaxText.tests.helpers import read_metrics, tiny_config
+from MaxText.training import training_setup
 
 
 def _quantization(mode, numerics=None, scanned_blocks=0):
@@ -383,8 +385,8 @@ def test_unquantized_models_have_no_quantization_state():
 
 
 def test_resuming_across_a_change_of_fp8_is_one_clear_error():
-  from MaxText import starting_state  # pylint: disable=import-outside-toplevel
   from MaxText.errors import UserError  # pylint: disable=import-outside-toplevel
+  from MaxText.training import starting_state  # pylint: disable=import-outside-toplevel
 
   def built(*args):
     config = tiny_config(*args)

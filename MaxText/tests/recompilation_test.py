@@ -5,7 +5,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from MaxText import aot_compile, compile_events, train
+from MaxText import train
+from MaxText.aot import aot_compile, compile_events
 from MaxText.tests.helpers import tiny_config
 
 

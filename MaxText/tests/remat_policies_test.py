@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from MaxText import train_step, training_setup
 from MaxText.features import selection
 from MaxText.tests.helpers import tiny_config, token_batch
+from MaxText.training import train_step, training_setup
 
 _QKV = {"query_proj", "key_proj", "value_proj"}
 

@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import common_types, sampling
+from MaxText.configuration import common_types
+from MaxText.inference import sampling
 
 _DRAWS = 4000
 

@@ -9,8 +9,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from MaxText import decoding, mesh, serving_checkpoint, sharding
+from MaxText.checkpoints import serving_checkpoint
 from MaxText.errors import ConfigError, UserError
+from MaxText.inference import decoding
+from MaxText.runtime import mesh, sharding
 from MaxText.tests.helpers import tiny_config
 
 # Kernels dominate here (vocab 256), as in real models.

@@ -259,8 +259,8 @@ def _hf_completion_loss(model, renderer) -> float:
 def test_step0_sft_loss_equals_transformers_masked_cross_entropy(tokenizers_dir, tmp_path):
   import jax  # pylint: disable=import-outside-toplevel
 
-  from MaxText import train_step  # pylint: disable=import-outside-toplevel
   from MaxText.hf_conversion import converter, logit_check  # pylint: disable=import-outside-toplevel
+  from MaxText.training import train_step  # pylint: disable=import-outside-toplevel
 
   hf_dir = _hf_llama(tmp_path / "hf")
   converter.to_maxtext(hf_dir, str(tmp_path / "maxtext"))

@@ -21,9 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from MaxText import decoding, jax_runtime, mesh, pyconfig, sharding, train, training_setup
+from MaxText import pyconfig, train
 from MaxText.errors import UserError
+from MaxText.inference import decoding
+from MaxText.runtime import jax_runtime, mesh, sharding
 from MaxText.tests.helpers import BASE_YML, TEST_JAX_CACHE_DIR, read_metrics
+from MaxText.training import training_setup
 
 PROMPT = [1, 5, 9, 200, 7, 31]
 

@@ -5,8 +5,8 @@ import base64
 import pytest
 
 from MaxText.errors import UserError
+from MaxText.input_pipeline.tokenizer import build_tokenizer
 from MaxText.tests.helpers import tiny_config
-from MaxText.tokenizer import build_tokenizer
 
 
 def test_shipped_tokenizer_round_trips_and_adds_bos_eos():

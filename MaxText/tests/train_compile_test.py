@@ -10,8 +10,10 @@ import sys
 import jax
 import pytest
 
-from MaxText import aot_compile, aot_targets, pyconfig
+from MaxText import pyconfig
+from MaxText.aot import aot_compile
 from MaxText.errors import UserError
+from MaxText.runtime import aot_targets
 from MaxText.tests.helpers import BASE_YML, REPO_ROOT, run_python, run_train, tiny_args
 
 TRAIN_COMPILE_PY = f"{REPO_ROOT}/MaxText/train_compile.py"
@@ -231,7 +233,7 @@ def test_upstream_keys_that_shape_the_step_compile_for_tpu():
 
 
 def test_compiled_step_file_names_what_differs_and_rejects_other_files(tmp_path):
-  from MaxText import compiled_step_file  # pylint: disable=import-outside-toplevel
+  from MaxText.aot import compiled_step_file  # pylint: disable=import-outside-toplevel
   from MaxText.tests.helpers import tiny_config  # pylint: disable=import-outside-toplevel
 
   devices = jax.devices()

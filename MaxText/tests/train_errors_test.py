@@ -67,7 +67,7 @@ def test_an_error_at_eval_saves_the_last_step_and_the_rerun_resumes_there(tmp_pa
 
 def test_ctrl_c_outside_the_step_loop_is_one_line_naming_where(capsys):
   """Ctrl-C during the compile (or a second one in the loop): where it landed, exit 130, no traceback."""
-  from MaxText.errors import run_and_exit_on_user_error  # pylint: disable=import-outside-toplevel
+  from MaxText.runtime.entry_point import run_and_exit_on_user_error  # pylint: disable=import-outside-toplevel
 
   def compile_for_a_long_time(argv):
     del argv

@@ -8,19 +8,13 @@ import numpy as np
 import optax
 import pytest
 
-from MaxText import (
-  aot_compile,
-  common_types,
-  jit_steps,
-  layer_stacking,
-  mesh,
-  optimizers,
-  sharding,
-  train_step,
-  training_setup,
-)
+from MaxText.aot import aot_compile
+from MaxText.checkpoints import layer_stacking
+from MaxText.configuration import common_types
 from MaxText.features import selection
+from MaxText.runtime import mesh, sharding
 from MaxText.tests.helpers import tiny_config, token_batch
+from MaxText.training import jit_steps, optimizers, train_step, training_setup
 
 
 def _batch(rows, length=32, seed=0, pad_from=None):

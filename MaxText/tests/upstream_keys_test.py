@@ -8,7 +8,8 @@ import shutil
 import pytest
 import yaml
 
-from MaxText import config_loader, config_schema, pyconfig
+from MaxText import pyconfig
+from MaxText.configuration import config_loader, config_schema
 from MaxText.errors import ConfigError
 from MaxText.tests.helpers import BASE_YML, run_train, tiny_config
 
@@ -146,9 +147,11 @@ def test_gcs_metrics_writes_the_steps_under_the_run_directory_every_log_period(t
 
 
 def test_max_checkify_names_an_out_of_range_token_id():
-  from MaxText import aot_compile, mesh, sharding, training_setup  # pylint: disable=import-outside-toplevel
+  from MaxText.aot import aot_compile  # pylint: disable=import-outside-toplevel
   from MaxText.errors import UserError  # pylint: disable=import-outside-toplevel
+  from MaxText.runtime import mesh, sharding  # pylint: disable=import-outside-toplevel
   from MaxText.tests.helpers import token_batch  # pylint: disable=import-outside-toplevel
+  from MaxText.training import training_setup  # pylint: disable=import-outside-toplevel
 
   config = tiny_config("max_checkify=true")
   device_mesh = mesh.create_device_mesh(config)

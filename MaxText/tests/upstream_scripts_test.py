@@ -2,8 +2,9 @@
 
 import pytest
 
-from MaxText import checkpointing, upstream_scripts
+from MaxText.checkpoints import checkpointing
 from MaxText.errors import UserError
+from MaxText.hf_conversion import upstream_scripts
 from MaxText.tests.helpers import run_python
 
 SCRIPTS = [

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from MaxText import fault_injection
 from MaxText.diagnostics import watchdog
+from MaxText.runtime import fault_injection
 from MaxText.tests.helpers import TRAIN_PY, start_cpu_processes, tiny_args, tiny_config
 
 
@@ -98,7 +98,7 @@ def test_auto_is_on_for_multi_process_jobs_only():
 def test_yaml_booleans_and_cli_words_are_both_accepted(tmp_path):
   config_file = tmp_path / "watchdog.yml"
   config_file.write_text("base_config: base.yml\nstep_watchdog: true\n")
-  from MaxText import config_loader  # pylint: disable=import-outside-toplevel
+  from MaxText.configuration import config_loader  # pylint: disable=import-outside-toplevel
 
   values, _ = config_loader.load_raw_config(["t", str(config_file), "run_name=x"], {})
   assert values["step_watchdog"] == "true"

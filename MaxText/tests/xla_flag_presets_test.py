@@ -5,7 +5,9 @@ import re
 
 import pytest
 
-from MaxText import common_types, pyconfig, xla_flag_presets
+from MaxText import pyconfig
+from MaxText.configuration import common_types
+from MaxText.runtime import xla_flag_presets
 from MaxText.tests.helpers import BASE_YML, TRAIN_PY, run_python, tiny_args
 
 A3MEGA = xla_flag_presets.PRESETS["a3mega"]

@@ -13,7 +13,7 @@
 #   4. NNODES=1: this node alone.
 # Other variables:
 #   GPUS_PER_NODE      GPUs per node (default 8, as on a3-megagpu-8g); checked against nvidia-smi where it runs.
-#   XLA_FLAGS_PRESET   adds xla_flags_preset=<name> (a3mega: the tuned A3 Mega XLA flags; MaxText/xla_flag_presets.py).
+#   XLA_FLAGS_PRESET   adds xla_flags_preset=<name> (a3mega: the tuned A3 Mega XLA flags; MaxText/runtime/xla_flag_presets.py).
 #   RUN_NAME           run_name, when no run_name=... is given (default: the Vertex AI or SLURM job id). Every
 #                      node needs the same one.
 #   BASE_OUTPUT_DIRECTORY  base_output_directory, when none is given; on several nodes it must be storage they

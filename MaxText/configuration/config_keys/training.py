@@ -1,0 +1,74 @@
+"""Keys of base.yml's Checkpointing, Optimizer and LoRA sections."""
+
+from MaxText.configuration.common_types import OPTIMIZERS
+from MaxText.configuration.config_keys import FRACTION, NON_NEGATIVE, POSITIVE, Key, On, Range
+
+_DECAY = Range(0, 1, high_open=True)
+_CHECKPOINTS = On("enable_checkpointing", True)
+_LORA = On("enable_lora", True)
+
+SECTIONS = {
+  "Checkpointing": {
+    "enable_checkpointing": Key(
+      "Save to <run_dir>/checkpoints/<step>: every checkpoint_period steps, at the last step, on SIGTERM."
+    ),
+    "async_checkpointing": Key(
+      "Write in the background; the loop only waits for the device-to-host copy.", acts_with=_CHECKPOINTS
+    ),
+    "checkpoint_period": Key(
+      "Save every this many steps (from step 0), and at the last step.", range=POSITIVE, acts_with=_CHECKPOINTS
+    ),
+    "save_checkpoint_on_completion": Key("Also save the last step; false: only every checkpoint_period (upstream 2024)."),
+    "data_position_on_resume": Key(
+      "restore: a resume continues the data exactly; reset: restore model and optimizer, start the data afresh.",
+      choices=("restore", "reset"),
+    ),
+    "max_num_checkpoints_to_keep": Key(
+      "Keep the newest N checkpoints; null keeps all.",
+      range=Range(1, also=(None,), says="null (keep all) or a positive integer"),
+      kind="int",
+    ),
+    "load_parameters_path": Key("Start from these params (an Orbax PyTree with params), e.g. <run>/checkpoints/<N>/items."),
+    "load_full_state_path": Key(
+      "Start from this whole train state (params, optimizer, step); with LoRA a LoRA run's, on the above."
+    ),
+    "force_unroll": Key("generate_param_only_checkpoint.py: write per-layer params (layers_i) from scanned ones."),
+  },
+  "Optimizer": {
+    "opt_type": Key(
+      "The optimizer, after global-norm clipping: adamw | adam_pax (Pax's Adam, upstream's gpt3) | sgd.", choices=OPTIMIZERS
+    ),
+    "adam_b1": Key("Adam's first-moment decay.", range=_DECAY),
+    "adam_b2": Key("Adam's second-moment decay.", range=_DECAY),
+    "adam_eps": Key("Added to the root of the second moment.", range=NON_NEGATIVE),
+    "adam_eps_root": Key("Added to the second moment inside the root.", range=NON_NEGATIVE),
+    "adam_weight_decay": Key("Decoupled weight decay (AdamW), times the learning rate.", range=NON_NEGATIVE),
+    "gradient_clipping_threshold": Key("Clip the gradients to this global norm; 0 disables.", range=NON_NEGATIVE),
+    "gradient_accumulation_steps": Key(
+      "Microbatches per update: the update of one batch that many times larger.", range=POSITIVE
+    ),
+    "learning_rate": Key("Peak learning rate, reached at the end of the warmup.", range=NON_NEGATIVE),
+    "cosine_learning_rate_final_fraction": Key(
+      "The cosine decays to learning_rate x this at learning_rate_schedule_steps (then 0).", range=FRACTION
+    ),
+    "warmup_steps_fraction": Key("Linear warmup over this fraction of learning_rate_schedule_steps.", range=FRACTION),
+    "learning_rate_schedule_steps": Key(
+      "Length of the warmup + cosine schedule; -1: steps.", range=Range(1, also=(-1,), says="positive (or -1 for steps)")
+    ),
+  },
+  "LoRA": {
+    "enable_lora": Key("Train LoRA adapters on the layers lora_module_path selects; the rest stays frozen."),
+    "lora_rank": Key("The adapters' rank r.", range=POSITIVE, acts_with=_LORA),
+    "lora_alpha": Key(
+      "The adapters' output is scaled by lora_alpha / lora_rank.", range=Range(0, low_open=True), acts_with=_LORA
+    ),
+    "lora_module_path": Key(
+      "A regex searched in the dense layers' names (decoder/layers/mlp/wo; '.' for '/' too).", acts_with=_LORA
+    ),
+    "lora_weight_qtype": Key(
+      "QLoRA: the frozen base's dense kernels held as int8 or fp8 (per channel) or nf4 (blocks of 64); '': as is.",
+      choices=("", "int8", "fp8", "nf4"),
+      acts_with=_LORA,
+    ),
+  },
+}

@@ -1,0 +1,1 @@
+"""Decoding with the training model: prefill, sampling, generation, and its memory roofline."""
