@@ -6,7 +6,7 @@ import re
 import pytest
 
 from MaxText import pyconfig
-from MaxText.configuration import config_loader, config_schema, config_validation
+from MaxText.configuration import base_yml, config_loader, config_schema, config_validation
 from MaxText.errors import ConfigError
 from MaxText.tests.helpers import BASE_YML, TRAIN_PY, run_python
 
@@ -36,6 +36,28 @@ def _validate(*args, **kwargs) -> None:
 def test_one_entry_per_key_of_base_yml_in_its_section_and_order():
   assert sorted(config_schema.KEYS) == sorted(DEFAULTS)
   assert {title: list(keys) for title, keys in config_schema.SECTIONS.items()} == _base_yml_sections()
+
+
+def test_base_yml_comments_are_the_schema_help_written_once():
+  """A key's help lives in its Key; base.yml's comment on the key's line is written from it."""
+  with open(BASE_YML, encoding="utf-8") as f:
+    text = f.read()
+  assert base_yml.render(text) == text, (
+    "base.yml's key comments differ from config_keys/: python3 -m MaxText.configuration.base_yml"
+  )
+
+
+def test_a_changed_help_rewrites_its_comment_and_only_it():
+  keys = dict(config_schema.KEYS)
+  keys["steps"] = config_schema.Key("A much longer help " * 12 + "end.")
+  with open(BASE_YML, encoding="utf-8") as f:
+    text = f.read()
+  new = base_yml.render(text, keys)
+  changed = [line for line in new.split("\n") if line not in text.split("\n")]
+  assert changed[0].startswith("steps: 150_001  # A much longer help") and changed[-1].endswith("end.")
+  assert all(len(line) <= base_yml.WIDTH for line in changed)
+  assert base_yml.render(new, keys) == new  # the wrapped lines are its own: rewriting twice changes nothing
+  assert base_yml.render(new) == text
 
 
 @pytest.mark.parametrize("name", list(config_schema.KEYS))

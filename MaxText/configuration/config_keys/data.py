@@ -13,7 +13,7 @@ SECTIONS = {
       choices=DATASET_TYPES,
     ),
     "tokenizer_path": Key(
-      "SentencePiece model, tiktoken rank file or Hugging Face tokenizer.json (from the cwd, then MaxText/)."
+      "SentencePiece model, tiktoken rank file (a name containing tiktoken) or Hugging Face tokenizer.json (or a directory holding one); from the cwd, then MaxText/."
     ),
     "add_bos": Key("Start every document with the tokenizer's BOS token."),
     "add_eos": Key("End every document with the tokenizer's EOS token."),
@@ -36,7 +36,9 @@ SECTIONS = {
     "tokenize_train_data": Key("false: the column already holds token ids (see MaxText/preprocess_data.py)."),
     "tokenize_eval_data": Key("false: the eval column already holds token ids."),
     # SFT (input_pipeline/sft.py)
-    "use_sft": Key("Train on chat records: train_data_columns [messages] or [prompt, completion]."),
+    "use_sft": Key(
+      "Train on chat records: train_data_columns [messages] or [prompt, completion] (docs/fine_tuning.md; a start: MaxText/configs/sft.yml)."
+    ),
     "sft_train_on_completion_only": Key(
       "The loss covers only the assistant turns and their end-of-turn token (or the completion).", acts_with=_SFT
     ),
@@ -44,7 +46,9 @@ SECTIONS = {
     "chat_template": Key('A Jinja2 chat template or a file holding one; "": the tokenizer directory\'s own.'),
     "train_data_columns": Key("The record's columns (upstream's list form of train_data_column; set one of the two)."),
     # DPO (dpo.py, input_pipeline/dpo.py)
-    "use_dpo": Key("Train on preference pairs: train_data_columns [chosen, rejected] or [prompt, chosen, rejected]."),
+    "use_dpo": Key(
+      "Train on preference pairs: train_data_columns [chosen, rejected] or [prompt, chosen, rejected] (docs/fine_tuning.md)."
+    ),
     "dpo_beta": Key(
       "DPO's beta: the strength of the pull towards the reference model.", range=Range(0, low_open=True), acts_with=_DPO
     ),

@@ -22,7 +22,8 @@ _YARN = On("rope_type", "yarn")
 SECTIONS = {
   "Model": {
     "decoder_block": Key(
-      "The decoder layer's family; default: parallel attention + MLP; llama2: Llama 2 and 3.", choices=DECODER_BLOCKS
+      "The decoder layer's family (--help lists them); default: parallel attention + MLP; llama2: Llama 2 and 3.",
+      choices=DECODER_BLOCKS,
     ),
     "weight_dtype": Key("Parameter storage dtype.", choices=DTYPES),
     "dtype": Key("Activation (compute) dtype.", choices=DTYPES),
@@ -35,7 +36,7 @@ SECTIONS = {
       "delayed (from the amax history) | current (each tensor's own amax).", choices=FP8_SCALINGS, acts_with=_FP8
     ),
     "fp8_amax_history_length": Key("Steps of amax history behind a delayed scale.", range=POSITIVE, acts_with=_FP8),
-    "quantize_kvcache": Key("int8 KV cache for decoding."),
+    "quantize_kvcache": Key("int8 KV cache for decoding (a scale per kv_quant_axis)."),
     "kv_quant_axis": Key(
       "quantize_kvcache: a scale per token (heads_and_dkv) or per token and head (dkv).",
       choices=KV_QUANT_AXES,
@@ -44,7 +45,7 @@ SECTIONS = {
     "kv_quant_dtype": Key("quantize_kvcache: the dtype of the cache.", choices=KV_QUANT_DTYPES, acts_with=_KV_CACHE),
     # Dims
     "global_parameter_scale": Key(
-      "Multiplies the base_* dims: heads and mlp, then emb, then layers grow in turn.",
+      "A power of 2 that multiplies the base_* dims: heads and mlp, then emb, then layers grow in turn.",
       # The range refuses what is below 1; config_validation refuses the rest that is not a power of 2.
       range=Range(1, says="a power of 2 (1, 2, 4, 8, ...)"),
     ),
@@ -66,7 +67,7 @@ SECTIONS = {
     ),
     "num_experts_per_tok": Key("Experts each token goes to (top-k); at most num_experts.", range=POSITIVE, acts_with=_MOE),
     "capacity_factor": Key(
-      "<= 0: dropless; > 0: an expert takes at most length x k / experts x this tokens of a sequence.",
+      "<= 0: dropless (every token reaches its experts); > 0: an expert takes at most int(length x k / experts x this) tokens of a sequence, and drops the rest.",
       range=Range(says="a number (<= 0: dropless; > 0: tokens per expert x that factor)"),
       acts_with=_MOE,
     ),

@@ -25,10 +25,12 @@ SECTIONS = {
     "override_model_config": Key("Let command-line and M_<KEY> values win over the same keys of the model preset."),
     "hardware": Key("The devices to run on; auto: those JAX finds.", choices=HARDWARE),
     "xla_flags_preset": Key(
-      "Tuned XLA flags put before XLA_FLAGS when JAX starts (yours win); a3mega: A3 Mega H100 nodes.",
+      "Tuned XLA flags put before XLA_FLAGS when JAX starts (yours win); a3mega: A3 Mega H100 nodes (the lists: MaxText/runtime/xla_flag_presets.py).",
       choices=XLA_FLAGS_PRESETS,
     ),
-    "base_output_directory": Key("Outputs go to <it>/<run_name>/: a local directory (from the cwd) or a gs:// path."),
+    "base_output_directory": Key(
+      "Outputs go to <it>/<run_name>/{tensorboard,checkpoints,metrics}: a local directory (from the cwd) or a gs:// path."
+    ),
     "steps": Key(
       "Train steps; -1: learning_rate_schedule_steps.",
       range=Range(1, also=(-1,), says="positive (or -1 for learning_rate_schedule_steps)"),
@@ -36,7 +38,9 @@ SECTIONS = {
     "log_period": Key("TensorBoard flush period, in steps.", range=POSITIVE),
     "log_all_processes": Key("Print info (config, step lines) on every process, not only process 0."),
     "enable_tensorboard": Key("Write TensorBoard summaries to <run_dir>/tensorboard (process 0)."),
-    "metrics_file": Key("Local JSON-lines file, one object per completed step (MaxText/plot_metrics.py); empty: none."),
+    "metrics_file": Key(
+      "Local JSON-lines file, one object per completed step (with eval/* keys where an eval followed; plot it with MaxText/plot_metrics.py); empty: none."
+    ),
     "jax_cache_dir": Key("Persistent compilation cache; empty disables it."),
     "init_weights_seed": Key("PRNG seed of the parameter init (and of dropout, folded with the step)."),
     # Hang diagnosis

@@ -28,9 +28,12 @@ SECTIONS = {
       "Slices of compile_topology (a3: hosts); -1 means 1.",
       range=Range(1, also=(-1,), says="a positive number of slices (-1 means 1)"),
     ),
-    "compiled_trainstep_file": Key("train_compile.py saves the compiled step here; train.py loads it instead of compiling."),
+    "compiled_trainstep_file": Key(
+      "train_compile.py saves the compiled step here; train.py loads it instead of compiling (same shapes and topology)."
+    ),
     "compile_search": Key(
-      "train_compile.py: find the largest per_device_batch_size that fits (for each remat_policy).", choices=COMPILE_SEARCHES
+      "train_compile.py's search: per_device_batch_size (the largest that fits) or per_device_batch_size,remat_policy (that, per remat policy), with each candidate's memory, step time and MFU.",
+      choices=COMPILE_SEARCHES,
     ),
   },
 }

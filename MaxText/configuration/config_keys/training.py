@@ -20,7 +20,7 @@ SECTIONS = {
     ),
     "save_checkpoint_on_completion": Key("Also save the last step; false: only every checkpoint_period (upstream 2024)."),
     "data_position_on_resume": Key(
-      "restore: a resume continues the data exactly; reset: restore model and optimizer, start the data afresh.",
+      "restore: a resume continues the data exactly; reset: restore model and optimizer, start the data afresh (to resume with another dataset_type, or streamed data on another mesh).",
       choices=("restore", "reset"),
     ),
     "max_num_checkpoints_to_keep": Key(
@@ -63,7 +63,8 @@ SECTIONS = {
       "The adapters' output is scaled by lora_alpha / lora_rank.", range=Range(0, low_open=True), acts_with=_LORA
     ),
     "lora_module_path": Key(
-      "A regex searched in the dense layers' names (decoder/layers/mlp/wo; '.' for '/' too).", acts_with=_LORA
+      "A regex searched in the dense layers' names (python3 MaxText/list_layers.py; decoder/layers/mlp/wo; '.' for '/' too).",
+      acts_with=_LORA,
     ),
     "lora_weight_qtype": Key(
       "QLoRA: the frozen base's dense kernels held as int8 or fp8 (per channel) or nf4 (blocks of 64); '': as is.",
