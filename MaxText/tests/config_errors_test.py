@@ -1,13 +1,17 @@
 """Every user mistake in the config or CLI: one line on stderr naming the key, exit status 2, no traceback.
 
-These run the real entry point. The checks happen before JAX is imported, so each case costs little;
-the cases marked `needs_devices` fail after the device lookup, still before any computation.
+One case runs the real entry point in a process of its own, to check that line and status; the others call
+train.py's `main` in this process and check the one-line `UserError` it raises (which the entry point prints as that
+line). The checks happen before JAX is imported; the cases in NEEDS_DEVICES fail after the device lookup, still
+before any computation.
 """
 
 import pytest
 
-from MaxText.errors import ConfigError
-from MaxText.tests.helpers import TRAIN_PY, run_python, tiny_args, tiny_config
+from MaxText import train
+from MaxText.errors import ConfigError, UserError
+from MaxText.tests.helpers import REPO_ROOT as REPO
+from MaxText.tests.helpers import TEST_JAX_CACHE_DIR, TRAIN_PY, run_python, tiny_args, tiny_config
 
 CASES = [
   # (CLI args after the config, extra env, text the error line must contain)
@@ -108,12 +112,6 @@ NEEDS_DEVICES = [
     {},
     "the train state (params and optimizer state) needs 770.87 GiB per device but a cpu device has",
   ),
-  (
-    ["base_num_kv_heads=2", "ici_fsdp_parallelism=1", "ici_tensor_parallelism=4"],
-    {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
-    "parameter ['decoder']['layers']['self_attention']['key']['kernel'] of shape (2048, 16, 2, 128): dimension 2 (2) "
-    "cannot be split 4 ways over mesh axes ['tensor', 'autoregressive']",
-  ),
 ]
 
 
@@ -145,15 +143,49 @@ def _assert_one_line_error(result, expected: str):
   assert expected in lines[0], lines[0]
 
 
+def _error_of(argv: list[str], tmp_path, monkeypatch, env=None) -> str:
+  """The one line that train.py would print for argv: its main's UserError, raised in this process."""
+  for name, value in (env or {}).items():
+    monkeypatch.setenv(name, value)
+  monkeypatch.chdir(REPO)  # as the entry point runs: relative paths from the checkout
+  # A run directory made before the error goes under tmp_path, and the test cache stays the process's.
+  in_tests = [f"base_output_directory={tmp_path}", f"jax_cache_dir={TEST_JAX_CACHE_DIR}"]
+  in_tests = in_tests if len(argv) > 2 and "=" not in argv[1] else []
+  with pytest.raises(UserError) as error:
+    train.main([*argv, *in_tests])
+  message = str(error.value)
+  assert message and "\n" not in message, message
+  return message
+
+
+def test_a_mistake_is_one_line_on_stderr_with_exit_status_2():
+  """The entry point itself, in a process of its own: the line, the status, no traceback."""
+  result = run_python([TRAIN_PY, "MaxText/configs/base.yml", "run_name=bad", "stepz=5"])
+  _assert_one_line_error(result, "unknown config key 'stepz'; did you mean 'steps'")
+
+
 @pytest.mark.parametrize("args,env,expected", CASES + NEEDS_DEVICES)
-def test_bad_cli_value_gives_one_clear_line(args, env, expected):
+def test_bad_cli_value_gives_one_clear_line(args, env, expected, tmp_path, monkeypatch):
   run_name = [] if any(a.startswith("run_name") for a in args) else ["run_name=bad"]
-  result = run_python([TRAIN_PY, "MaxText/configs/base.yml", *run_name, *args], env_extra=env)
-  _assert_one_line_error(result, expected)
+  assert expected in _error_of([TRAIN_PY, f"{REPO}/MaxText/configs/base.yml", *run_name, *args], tmp_path, monkeypatch, env)
+
+
+def test_a_mistake_split_over_devices_gives_one_line():
+  """A shape that does not split over 4 devices: a process of its own, for its device count."""
+  result = run_python(
+    [TRAIN_PY, "MaxText/configs/base.yml", "run_name=bad", "base_num_kv_heads=2", "ici_fsdp_parallelism=1"]
+    + ["ici_tensor_parallelism=4"],
+    env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
+  )
+  _assert_one_line_error(
+    result,
+    "parameter ['decoder']['layers']['self_attention']['key']['kernel'] of shape (2048, 16, 2, 128): dimension 2 (2) "
+    "cannot be split 4 ways over mesh axes ['tensor', 'autoregressive']",
+  )
 
 
 @pytest.mark.parametrize("name,text,expected", FILE_CASES)
-def test_mistake_in_a_config_file_names_the_file(tmp_path, name, text, expected):
+def test_mistake_in_a_config_file_names_the_file(tmp_path, monkeypatch, name, text, expected):
   path = tmp_path / name
   path.parent.mkdir(exist_ok=True)
   path.write_text(text)
@@ -162,43 +194,42 @@ def test_mistake_in_a_config_file_names_the_file(tmp_path, name, text, expected)
     argv = [TRAIN_PY, str(tmp_path / "c.yml"), "run_name=x", "model_name=mine"]
   else:
     argv = [TRAIN_PY, str(path)] + ([] if "run_name" in text else ["run_name=x"])
-  _assert_one_line_error(run_python(argv), expected.format(file=path))
+  assert expected.format(file=path) in _error_of(argv, tmp_path, monkeypatch)
 
 
-def test_missing_run_name():
-  _assert_one_line_error(run_python([TRAIN_PY, "MaxText/configs/base.yml"]), "run_name is empty")
+def test_missing_run_name(tmp_path, monkeypatch):
+  assert "run_name is empty" in _error_of([TRAIN_PY, f"{REPO}/MaxText/configs/base.yml"], tmp_path, monkeypatch)
 
 
-def test_missing_config_file():
-  _assert_one_line_error(run_python([TRAIN_PY, "nope.yml", "run_name=x"]), "config file 'nope.yml' does not exist")
+def test_missing_config_file(tmp_path, monkeypatch):
+  assert "config file 'nope.yml' does not exist" in _error_of([TRAIN_PY, "nope.yml", "run_name=x"], tmp_path, monkeypatch)
 
 
-def test_first_argument_must_be_the_config():
-  _assert_one_line_error(run_python([TRAIN_PY, "run_name=x"]), "the first argument must be a config file")
+def test_first_argument_must_be_the_config(tmp_path, monkeypatch):
+  assert "the first argument must be a config file" in _error_of([TRAIN_PY, "run_name=x"], tmp_path, monkeypatch)
 
 
-def test_broken_yaml(tmp_path):
+def test_broken_yaml(tmp_path, monkeypatch):
   bad = tmp_path / "bad.yml"
   bad.write_text("steps: [1, 2\n")
-  _assert_one_line_error(run_python([TRAIN_PY, str(bad), "run_name=x"]), "is not valid YAML")
+  assert "is not valid YAML" in _error_of([TRAIN_PY, str(bad), "run_name=x"], tmp_path, monkeypatch)
 
 
-def test_unknown_key_in_a_model_preset(tmp_path):
+def test_unknown_key_in_a_model_preset(tmp_path, monkeypatch):
   models = tmp_path / "models"
   models.mkdir()
   (models / "mine.yml").write_text("base_emb_dims: 64\n")
   cfg = tmp_path / "c.yml"
   cfg.write_text("base_config: base.yml\n")
-  result = run_python([TRAIN_PY, str(cfg), "run_name=x", "model_name=mine"])
-  _assert_one_line_error(result, "model preset 'mine' sets unknown key 'base_emb_dims'; did you mean 'base_emb_dim'")
+  error = _error_of([TRAIN_PY, str(cfg), "run_name=x", "model_name=mine"], tmp_path, monkeypatch)
+  assert "model preset 'mine' sets unknown key 'base_emb_dims'; did you mean 'base_emb_dim'" in error
 
 
-def test_tokenizer_larger_than_vocab_is_caught_before_training(tmp_path):
-  result = run_python(
-    [TRAIN_PY, "MaxText/configs/base.yml", "run_name=x", *tiny_args(f"base_output_directory={tmp_path}", "vocab_size=100")]
-  )
-  _assert_one_line_error(result, "has 4096 tokens but vocab_size=100; set vocab_size>=4096")
-  assert "One train step needs" not in result.stdout  # before the step's compile and memory check
+def test_tokenizer_larger_than_vocab_is_caught_before_training(tmp_path, monkeypatch, capsys):
+  argv = [TRAIN_PY, f"{REPO}/MaxText/configs/base.yml", "run_name=x"]
+  error = _error_of([*argv, *tiny_args(f"base_output_directory={tmp_path}", "vocab_size=100")], tmp_path, monkeypatch)
+  assert "has 4096 tokens but vocab_size=100; set vocab_size>=4096" in error
+  assert "One train step needs" not in capsys.readouterr().out  # before the step's compile and memory check
 
 
 @pytest.mark.parametrize(
