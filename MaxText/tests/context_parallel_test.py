@@ -215,7 +215,8 @@ def test_context_parallelism_compiles_for_tpu(strategy):
 
 _STEP_SHAPES = """
 import json, re, sys
-from MaxText import aot_compile, pyconfig
+from MaxText import pyconfig
+from MaxText.aot import aot_compile
 from MaxText.tests.helpers import BASE_YML, tiny_args
 found = {}
 for strategy in ("ring", "all_gather"):

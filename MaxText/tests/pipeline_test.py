@@ -216,7 +216,9 @@ def test_a_pipelined_checkpoint_decodes_as_the_one_device_run(report):
 
 COMPILE = """
 import jax
-from MaxText import aot_compile, mesh, training_setup
+from MaxText.aot import aot_compile
+from MaxText.runtime import mesh
+from MaxText.training import training_setup
 from MaxText.tests.helpers import tiny_config
 config = tiny_config({args})
 device_mesh = mesh.create_device_mesh(config)

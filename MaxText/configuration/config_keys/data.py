@@ -13,7 +13,7 @@ SECTIONS = {
       choices=DATASET_TYPES,
     ),
     "tokenizer_path": Key(
-      "SentencePiece model, tiktoken rank file (a name containing tiktoken) or Hugging Face tokenizer.json (or a directory holding one); from the cwd, then MaxText/."
+      "SentencePiece model, tiktoken rank file (name with tiktoken) or HF tokenizer.json (or its dir); cwd, then MaxText/."
     ),
     "add_bos": Key("Start every document with the tokenizer's BOS token."),
     "add_eos": Key("End every document with the tokenizer's EOS token."),
@@ -36,9 +36,7 @@ SECTIONS = {
     "tokenize_train_data": Key("false: the column already holds token ids (see MaxText/preprocess_data.py)."),
     "tokenize_eval_data": Key("false: the eval column already holds token ids."),
     # SFT (input_pipeline/sft.py)
-    "use_sft": Key(
-      "Train on chat records: train_data_columns [messages] or [prompt, completion] (docs/fine_tuning.md; a start: MaxText/configs/sft.yml)."
-    ),
+    "use_sft": Key("Train on chat records: train_data_columns [messages] or [prompt, completion] (docs/fine_tuning.md)."),
     "sft_train_on_completion_only": Key(
       "The loss covers only the assistant turns and their end-of-turn token (or the completion).", acts_with=_SFT
     ),

@@ -56,7 +56,7 @@ SECTIONS = {
     ),
     "scan_pipeline_iterations": Key("Scan the pipeline's iterations (false: unroll them, a longer compile)."),
     "pipeline_delay_activation_forwarding": Key(
-      "Forward each stage's output one iteration late, overlapping the transfer; doubles the bubble and needs at least 2 x stages microbatches."
+      "Forward each stage's output an iteration late to overlap it: twice the bubble, >= 2 x stages microbatches."
     ),
     "pipeline_fsdp_ag_once": Key("All-gather the pipelined weights over fsdp once per step, not every iteration."),
     "context_parallel_strategy": Key(
@@ -64,10 +64,10 @@ SECTIONS = {
       choices=CONTEXT_PARALLEL_STRATEGIES,
     ),
     "context_parallel_load_balance": Key(
-      "Reorder the sequence so that each context shard does the same causal work (chunks d and 2N-1-d of 2N); needs max_target_length divisible by 2 x the context shards."
+      "Give each context shard the same causal work (chunks d, 2N-1-d of 2N); length divisible by 2 x shards."
     ),
     "logical_axis_rules": Key(
-      "[logical axis name, mesh axes] pairs; an array dim takes the first rule of its name whose axes it leaves unused. Model code names only logical axes: parallelism lives here."
+      "[logical axis, mesh axes] pairs; an array dim takes the first rule of its name whose axes it leaves unused."
     ),
   },
 }

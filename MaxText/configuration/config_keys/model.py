@@ -67,7 +67,7 @@ SECTIONS = {
     ),
     "num_experts_per_tok": Key("Experts each token goes to (top-k); at most num_experts.", range=POSITIVE, acts_with=_MOE),
     "capacity_factor": Key(
-      "<= 0: dropless (every token reaches its experts); > 0: an expert takes at most int(length x k / experts x this) tokens of a sequence, and drops the rest.",
+      "<= 0: dropless; > 0: an expert takes at most int(length x k / experts x this) tokens a sequence, drops the rest.",
       range=Range(says="a number (<= 0: dropless; > 0: tokens per expert x that factor)"),
       acts_with=_MOE,
     ),

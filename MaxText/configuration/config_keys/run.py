@@ -25,7 +25,7 @@ SECTIONS = {
     "override_model_config": Key("Let command-line and M_<KEY> values win over the same keys of the model preset."),
     "hardware": Key("The devices to run on; auto: those JAX finds.", choices=HARDWARE),
     "xla_flags_preset": Key(
-      "Tuned XLA flags put before XLA_FLAGS when JAX starts (yours win); a3mega: A3 Mega H100 nodes (the lists: MaxText/runtime/xla_flag_presets.py).",
+      "Tuned XLA flags put before XLA_FLAGS (yours win); a3mega: A3 Mega H100 (runtime/xla_flag_presets.py).",
       choices=XLA_FLAGS_PRESETS,
     ),
     "base_output_directory": Key(
@@ -39,7 +39,7 @@ SECTIONS = {
     "log_all_processes": Key("Print info (config, step lines) on every process, not only process 0."),
     "enable_tensorboard": Key("Write TensorBoard summaries to <run_dir>/tensorboard (process 0)."),
     "metrics_file": Key(
-      "Local JSON-lines file, one object per completed step (with eval/* keys where an eval followed; plot it with MaxText/plot_metrics.py); empty: none."
+      "Local JSON-lines file, a line per step (eval/* where an eval followed); plot_metrics.py plots it; empty: none."
     ),
     "jax_cache_dir": Key("Persistent compilation cache; empty disables it."),
     "init_weights_seed": Key("PRNG seed of the parameter init (and of dropout, folded with the step)."),

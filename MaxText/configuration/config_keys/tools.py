@@ -32,7 +32,7 @@ SECTIONS = {
       "train_compile.py saves the compiled step here; train.py loads it instead of compiling (same shapes and topology)."
     ),
     "compile_search": Key(
-      "train_compile.py's search: per_device_batch_size (the largest that fits) or per_device_batch_size,remat_policy (that, per remat policy), with each candidate's memory, step time and MFU.",
+      "train_compile.py: the largest per_device_batch_size that fits (value per_device_batch_size[,remat_policy]).",
       choices=COMPILE_SEARCHES,
     ),
   },

@@ -20,7 +20,7 @@ SECTIONS = {
     ),
     "save_checkpoint_on_completion": Key("Also save the last step; false: only every checkpoint_period (upstream 2024)."),
     "data_position_on_resume": Key(
-      "restore: a resume continues the data exactly; reset: restore model and optimizer, start the data afresh (to resume with another dataset_type, or streamed data on another mesh).",
+      "restore: a resume continues the data exactly; reset: restore model and optimizer, start the data afresh.",
       choices=("restore", "reset"),
     ),
     "max_num_checkpoints_to_keep": Key(
