@@ -1,4 +1,5 @@
-"""Hugging Face <-> MaxText conversion against transformers: tiny random models of each family, built here.
+"""Hugging Face <-> MaxText conversion against transformers: tiny random models of each family
+(tiny_models.build_hf_model).
 
 Each family converts to MaxText with logits within 1e-4 (float32) of transformers; both round trips are
 bitwise; the HF directory that to_hf writes loads with from_pretrained and gives the same logits.
@@ -17,108 +18,10 @@ from MaxText.checkpoints import checkpointing
 from MaxText.features import selection
 from MaxText.hf_conversion import converter, logit_check, maxtext_io
 from MaxText.tests.helpers import run_python
+from MaxText.tests.tiny_models import HF_FAMILIES, HF_LLAMA31_ROPE, HF_TINY, build_hf_model, randomize_hf_weights
 
 TOLERANCE = 1e-4  # float32, as the issue fixes it; never loosened to make a test pass
-TINY = {
-  "hidden_size": 64,
-  "intermediate_size": 96,
-  "num_hidden_layers": 2,
-  "num_attention_heads": 4,
-  "num_key_value_heads": 2,
-  "head_dim": 16,
-  "vocab_size": 256,
-}
-# family -> (model_type, config.json keys over TINY). Sliding windows are 16, so the 64-token check covers 4 windows.
-LLAMA31_ROPE = {
-  "rope_type": "llama3",
-  "rope_theta": 500000.0,
-  "factor": 8.0,
-  "low_freq_factor": 1.0,
-  "high_freq_factor": 4.0,
-  "original_max_position_embeddings": 16,  # wavelengths of 4..16 tokens are smoothed, longer ones divided by 8
-}
-FAMILIES = {
-  "llama": ("llama", {}),
-  "llama-tied": ("llama", {"tie_word_embeddings": True}),
-  "llama3.1": ("llama", {"rope_parameters": LLAMA31_ROPE}),
-  "mistral": ("mistral", {"sliding_window": 16}),
-  "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16}),
-  "gemma": ("gemma", {}),
-  "gemma2": ("gemma2", {"sliding_window": 16}),  # query_pre_attn_scalar 256, soft caps 50 and 30 (defaults)
-  # 8 layers: a global one (layer 5) among local ones, and 2 after the last whole pattern of 6 (as 1b's 26).
-  "gemma3": (
-    "gemma3_text",
-    {
-      "num_hidden_layers": 8,
-      "sliding_window": 16,
-      "rope_parameters": {
-        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
-        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-      },
-    },
-  ),
-  "qwen3": ("qwen3", {}),
-  # 3 layers: 1 dense, 2 MoE (8 experts in 4 groups, 2 of them searched, k 2, 1 shared), YaRN, q through q_lora_rank
-  "deepseek": (
-    "deepseek_v3",
-    {
-      "num_hidden_layers": 3,
-      "first_k_dense_replace": 1,
-      "n_routed_experts": 8,
-      "num_experts_per_tok": 2,
-      "n_group": 4,
-      "topk_group": 2,
-      "n_shared_experts": 1,
-      "moe_intermediate_size": 24,
-      "routed_scaling_factor": 2.5,
-      "q_lora_rank": 32,
-      "kv_lora_rank": 16,
-      "qk_nope_head_dim": 16,
-      "qk_rope_head_dim": 8,
-      "head_dim": 8,  # transformers' rotary embedding's width: qk_rope_head_dim
-      "num_key_value_heads": 4,  # as many as query heads: latent attention has none of its own
-      "v_head_dim": 12,
-      "rope_parameters": {
-        "rope_type": "yarn",
-        "rope_theta": 10000.0,
-        "factor": 4.0,
-        "original_max_position_embeddings": 16,
-        "beta_fast": 32.0,
-        "beta_slow": 1.0,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-      },
-    },
-  ),
-  "qwen3_moe": (
-    "qwen3_moe",
-    {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "norm_topk_prob": True},
-  ),
-}
 PARITY = {}  # family -> (max_abs_diff, kl), printed at the end of the module
-
-
-def _randomize(model, seed: int) -> None:
-  """Weights of order 1/sqrt(fan_in) and norms around 1, so that logits are O(1) and every weight matters."""
-  gen = torch.Generator().manual_seed(seed)
-  with torch.no_grad():
-    for _, p in sorted(model.named_parameters()):
-      if p.ndim == 1:
-        p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
-      else:
-        p.copy_(torch.randn(p.shape, generator=gen) / np.sqrt(p.shape[-1]))
-    for name, b in sorted(model.named_buffers()):
-      if name.endswith("e_score_correction_bias"):  # DeepSeek's routing bias: a buffer, zeros unless set
-        b.copy_(0.2 * torch.randn(b.shape, generator=gen))
-
-
-def build_hf_model(directory: str, family: str, dtype=torch.float32, **save_kwargs) -> str:
-  model_type, extra = FAMILIES[family]
-  config = transformers.AutoConfig.for_model(model_type, **{**TINY, **extra})
-  model = transformers.AutoModelForCausalLM.from_config(config)
-  _randomize(model, seed=len(family))
-  model.to(dtype).save_pretrained(directory, **save_kwargs)
-  return directory
 
 
 @pytest.fixture(scope="module")
@@ -160,10 +63,10 @@ def _logits(maxtext_dir: str, tokens, **kwargs):
   return logit_check.maxtext_logits(model_yml, os.path.join(maxtext_dir, converter.PARAMS_DIR), tokens, **kwargs)
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(HF_FAMILIES))
 def test_logits_match_transformers(converted, family):
   hf_dir, maxtext_dir = converted(family)
-  tokens = logit_check.random_tokens(TINY["vocab_size"])
+  tokens = logit_check.random_tokens(HF_TINY["vocab_size"])
   max_abs, kl = logit_check.compare(logit_check.hf_logits(hf_dir, tokens), _logits(maxtext_dir, tokens))
   PARITY[family] = (max_abs, kl)
   assert max_abs < TOLERANCE, f"{family}: max |logits diff| {max_abs:.3g} (KL {kl:.3g})"
@@ -177,7 +80,7 @@ def test_step0_training_loss_is_transformers_cross_entropy(converted, family):
   from MaxText.training import train_step  # pylint: disable=import-outside-toplevel
 
   hf_dir, maxtext_dir = converted(family)
-  tokens = logit_check.random_tokens(TINY["vocab_size"])  # (B, T): T - 1 inputs and their next tokens
+  tokens = logit_check.random_tokens(HF_TINY["vocab_size"])  # (B, T): T - 1 inputs and their next tokens
   model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
   with torch.no_grad():
     ids = torch.from_numpy(np.asarray(tokens)).long()
@@ -205,7 +108,7 @@ def test_step0_training_loss_is_transformers_cross_entropy(converted, family):
   assert float(loss / aux.weights) == pytest.approx(expected, rel=1e-4)
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(HF_FAMILIES))
 def test_round_trips_are_bitwise(converted, family, tmp_path):
   hf_dir, maxtext_dir = converted(family)
   hf_out = converter.to_hf(maxtext_dir, str(tmp_path / "hf_out"))
@@ -220,19 +123,19 @@ def test_round_trips_are_bitwise(converted, family, tmp_path):
   for keys, value in first.items():
     assert value.dtype == again[keys].dtype and np.array_equal(value, again[keys]), keys
 
-  tokens = logit_check.random_tokens(TINY["vocab_size"])
+  tokens = logit_check.random_tokens(HF_TINY["vocab_size"])
   np.testing.assert_array_equal(logit_check.hf_logits(hf_out, tokens), logit_check.hf_logits(hf_dir, tokens))
 
 
 def test_hidden_states_match_layer_by_layer(converted):
   """Each decoder layer's output (unscanned layers_i) against transformers' hidden states, so a mismatch names its layer."""
   hf_dir, maxtext_dir = converted("llama")
-  tokens = logit_check.random_tokens(TINY["vocab_size"])
+  tokens = logit_check.random_tokens(HF_TINY["vocab_size"])
   _, hidden = logit_check.hf_logits(hf_dir, tokens, hidden_states=True)
   _, intermediates = _logits(maxtext_dir, tokens, scan_layers=False, intermediates=True)
   decoder = intermediates["decoder"]
   # hidden[0] is the embedding, hidden[i + 1] the output of layer i (the last one after the final norm).
-  for i in range(TINY["num_hidden_layers"] - 1):
+  for i in range(HF_TINY["num_hidden_layers"] - 1):
     ours = np.asarray(decoder[f"layers_{i}"]["__call__"][0])
     diff = float(np.max(np.abs(ours - hidden[i + 1])))
     assert diff < TOLERANCE, f"decoder layer {i}: max |hidden state diff| {diff:.3g}"
@@ -296,7 +199,7 @@ def test_checkpoint_loads_in_either_layout(converted, tmp_path):
   assert sorted(flat) == sorted(original)
   for keys, value in original.items():
     np.testing.assert_array_equal(flat[keys], value, err_msg=str(keys))
-  tokens = logit_check.random_tokens(TINY["vocab_size"])
+  tokens = logit_check.random_tokens(HF_TINY["vocab_size"])
   np.testing.assert_allclose(
     _logits(maxtext_dir, tokens, scan_layers=False), _logits(maxtext_dir, tokens, scan_layers=True), rtol=0, atol=1e-5
   )
@@ -352,10 +255,10 @@ def test_config_json_old_and_new_rope_forms():
   """transformers 5's rope_parameters and the older rope_theta + rope_scaling give the same MaxText keys."""
   from MaxText.hf_conversion import llama  # pylint: disable=import-outside-toplevel
 
-  base = {"model_type": "llama", "hidden_act": "silu", "rms_norm_eps": 1e-5, **TINY}
-  new = dict(base, rope_parameters=LLAMA31_ROPE)
-  old_scaling = {k: v for k, v in LLAMA31_ROPE.items() if k != "rope_theta"}
-  old = dict(base, rope_theta=LLAMA31_ROPE["rope_theta"], rope_scaling=old_scaling)
+  base = {"model_type": "llama", "hidden_act": "silu", "rms_norm_eps": 1e-5, **HF_TINY}
+  new = dict(base, rope_parameters=HF_LLAMA31_ROPE)
+  old_scaling = {k: v for k, v in HF_LLAMA31_ROPE.items() if k != "rope_theta"}
+  old = dict(base, rope_theta=HF_LLAMA31_ROPE["rope_theta"], rope_scaling=old_scaling)
   keys = llama.config_to_maxtext(new, "new/config.json")
   assert keys == llama.config_to_maxtext(old, "old/config.json")
   assert keys["rope_max_timescale"] == 500000 and keys["rope_scaling_factor"] == 8
@@ -419,16 +322,16 @@ def test_gemma3_config_forms_of_the_hub_and_transformers_5():
 def test_gemma3_multimodal_checkpoint_gives_its_text_model(tmp_path):
   """Gemma3ForConditionalGeneration (how the Hub ships 4b and up): the text model converts, the vision tower is left
   out, and the logits of a text-only input match transformers'."""
-  text = dict(TINY, **FAMILIES["gemma3"][1])
+  text = dict(HF_TINY, **HF_FAMILIES["gemma3"][1])
   vision = dict(
     hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
   )
   config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
   model = transformers.Gemma3ForConditionalGeneration(config)
-  _randomize(model, seed=3)
+  randomize_hf_weights(model, seed=3)
   model.save_pretrained(tmp_path / "hf")
   converter.to_maxtext(str(tmp_path / "hf"), str(tmp_path / "maxtext"))
-  tokens = logit_check.random_tokens(TINY["vocab_size"])
+  tokens = logit_check.random_tokens(HF_TINY["vocab_size"])
   max_abs, _ = logit_check.compare(
     logit_check.hf_logits(str(tmp_path / "hf"), tokens), _logits(str(tmp_path / "maxtext"), tokens)
   )
@@ -517,7 +420,7 @@ def test_deepseek_fp8_block_scaled_weights_read_as_bfloat16(tmp_path):
 
   reference = build_hf_model(str(tmp_path / "reference"), "deepseek")  # the same random weights (same seed)
   save_file({**_safetensors(reference), **dequantized}, os.path.join(reference, "model.safetensors"))
-  tokens = logit_check.random_tokens(TINY["vocab_size"])
+  tokens = logit_check.random_tokens(HF_TINY["vocab_size"])
   expected = logit_check.hf_logits(reference, tokens)
   max_abs, _ = logit_check.compare(expected, _logits(str(tmp_path / "maxtext"), tokens))
   assert max_abs < TOLERANCE, max_abs
@@ -557,7 +460,7 @@ def test_deepseek_multi_token_prediction_converts_and_matches_transformers(tmp_p
   hf_dir = build_hf_model(str(tmp_path / "hf"), "deepseek")
   main = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
   mtp = MtpModel(main, 1).to(torch.float32)
-  _randomize(mtp.layers, seed=5)  # not its embedding and head: the main model's own, shared
+  randomize_hf_weights(mtp.layers, seed=5)  # not its embedding and head: the main model's own, shared
   layers, moe_intermediate = main.config.num_hidden_layers, main.config.moe_intermediate_size
   tensors = _safetensors(hf_dir)
   tensors.update(_deepseek_mtp_tensors(mtp, layers, moe_intermediate))
@@ -566,7 +469,7 @@ def test_deepseek_multi_token_prediction_converts_and_matches_transformers(tmp_p
   save_file(tensors, os.path.join(hf_dir, "model.safetensors"))
   converter.to_maxtext(hf_dir, str(tmp_path / "maxtext"))
 
-  tokens = logit_check.random_tokens(TINY["vocab_size"])
+  tokens = logit_check.random_tokens(HF_TINY["vocab_size"])
   _, sown = _logits(str(tmp_path / "maxtext"), tokens, intermediates=True)
   ours = np.asarray(sown["decoder"]["mtp_logits"][0])
   with torch.no_grad():
@@ -613,5 +516,5 @@ def test_readme_recipe_convert_train_convert_back(tmp_path):
   hf_out = str(tmp_path / "hf_ft")
   back = _cli("to_hf", "--maxtext_dir", str(tmp_path / "runs" / "ft"), "--output_dir", hf_out)
   assert back.returncode == 0, back.stderr
-  tokens = logit_check.random_tokens(TINY["vocab_size"])
+  tokens = logit_check.random_tokens(HF_TINY["vocab_size"])
   assert np.all(np.isfinite(logit_check.hf_logits(hf_out, tokens)))

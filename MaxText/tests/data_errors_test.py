@@ -13,8 +13,7 @@ from MaxText.input_pipeline import hf_source, input_pipeline_interface
 from MaxText.input_pipeline.dpo import DpoDecoder
 from MaxText.input_pipeline.sft import SftDecoder
 from MaxText.runtime import mesh
-from MaxText.tests.helpers import run_train, tiny_config
-from MaxText.tests.sft_test import _config, build_chat_tokenizer
+from MaxText.tests.helpers import build_chat_tokenizer, run_train, sft_decoder_config, tiny_config
 
 CHAT = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "how are you"}]
 BAD_LINE = '{"messages": [ oops'
@@ -94,7 +93,7 @@ def test_an_empty_data_file_is_one_line(tokenizer, tmp_path, train):
 @pytest.mark.parametrize("completion_only", [False, True])
 def test_a_chat_template_that_renders_nothing_names_the_record(tokenizer, columns, record, completion_only):
   """An error, not a dropped sample: it is the template's fault, and would be every sample's."""
-  config = _config(
+  config = sft_decoder_config(
     tokenizer,
     train_data_columns=columns,
     chat_template=EMPTY_TEMPLATE,
@@ -107,7 +106,7 @@ def test_a_chat_template_that_renders_nothing_names_the_record(tokenizer, column
 
 def test_a_sample_without_tokens_is_dropped(tokenizer):
   """Empty prompt and completion without a template or BOS/EOS: no tokens, dropped like a sample without loss."""
-  config = _config(
+  config = sft_decoder_config(
     tokenizer, train_data_columns=["prompt", "completion"], sft_train_on_completion_only=False, add_bos=False, add_eos=False
   )
   decoder = SftDecoder(config)
@@ -116,7 +115,7 @@ def test_a_sample_without_tokens_is_dropped(tokenizer):
 
 
 def test_dpo_chat_template_that_renders_nothing_names_the_record(tokenizer):
-  config = _config(
+  config = sft_decoder_config(
     tokenizer, train_data_columns=["prompt", "chosen", "rejected"], chat_template=EMPTY_TEMPLATE, use_chat_template=True
   )
   with pytest.raises(UserError, match=r"^the chat template renders train record 0 \(\{.*\) as no text"):

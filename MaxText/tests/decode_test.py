@@ -5,16 +5,12 @@ import os
 import re
 import sys
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from MaxText import decode
 from MaxText.errors import UserError
 from MaxText.inference import decoding
-from MaxText.runtime import mesh, sharding
-from MaxText.tests.deepseek_test import DEEPSEEK
-from MaxText.tests.families_test import FAMILIES
 from MaxText.tests.helpers import (
   BASE_YML,
   finish_processes,
@@ -24,12 +20,18 @@ from MaxText.tests.helpers import (
   tiny_args,
   tiny_config,
 )
+from MaxText.tests.tiny_models import (
+  DECODE_KEYS,
+  DECODE_PROMPT,
+  DEEPSEEK,
+  FAMILIES,
+  decode_with_logits,
+  full_forward_logits,
+)
 
 DECODE_PY = os.path.join("MaxText", "decode.py")
 # float32 everywhere: the cache path computes the same sums over the same keys in another shape.
 ATOL = 1e-5
-PROMPT = [1, 5, 9, 200, 7, 31]  # 6 tokens, padded to max_prefill_predict_length=8; 16 more are generated
-DECODE_KEYS = ["max_target_length=24", "max_prefill_predict_length=8", "per_device_batch_size=2", "remat_policy=none"]
 _MOE_ARGS = ["num_experts=4", "num_experts_per_tok=2"]
 FAMILY_ARGS = dict(
   FAMILIES, default=[], mixtral=_MOE_ARGS, qwen3_moe=[*FAMILIES["qwen3"], *_MOE_ARGS], deepseek=DEEPSEEK[1:]
@@ -37,27 +39,10 @@ FAMILY_ARGS = dict(
 _OUTPUT_LINE = re.compile(r"^Input `(.*)` -> `(.*)`$", re.M)
 
 
-def _generate(config, prompt=PROMPT, end_ids=()):
-  device_mesh = mesh.create_device_mesh(config)
-  model, abstract = decoding.build(config, device_mesh)
-  params = decoding.load_params(config, model, abstract, device_mesh)
-  result = decoding.generate(config, model, params, device_mesh, prompt, end_ids, keep_logits=True)
-  return model, params, device_mesh, result
-
-
-def _full_forward_logits(config, model, params, device_mesh, prompt, tokens):
-  """Logits of a forward pass over prompt + generated tokens, without the cache, at the positions that sampled."""
-  sequence = np.concatenate([np.tile(prompt, (tokens.shape[0], 1)), tokens], axis=1)
-  positions = np.broadcast_to(np.arange(sequence.shape[1]), sequence.shape)
-  with sharding.logical_context(device_mesh, config):
-    logits = model.apply({"params": params}, jnp.asarray(sequence), jnp.asarray(positions))
-  return np.asarray(logits)[:, len(prompt) - 1 : -1]  # (B, N, V): position t's logits sample token t + 1
-
-
 def _check_cache_equals_recompute(config):
-  model, params, device_mesh, result = _generate(config)
+  model, params, device_mesh, result = decode_with_logits(config)
   assert result.tokens.shape == (2, config.max_target_length - config.max_prefill_predict_length)
-  full = _full_forward_logits(config, model, params, device_mesh, PROMPT, result.tokens)
+  full = full_forward_logits(config, model, params, device_mesh, DECODE_PROMPT, result.tokens)
   np.testing.assert_allclose(result.logits, full, atol=ATOL, rtol=0)
   np.testing.assert_array_equal(result.tokens, full.argmax(-1))  # greedy = argmax of the full recompute
   return np.abs(result.logits - full).max()
@@ -89,10 +74,10 @@ def test_cached_logits_equal_full_forward_unscanned_with_remat():
 
 def test_rows_stop_at_an_end_token():
   config = tiny_config(*DECODE_KEYS, "dataset_type=synthetic")
-  _, _, _, greedy = _generate(config)
+  _, _, _, greedy = decode_with_logits(config)
   assert greedy.tokens.shape[1] == 16
   end = int(greedy.tokens[0, 3])  # the 4th token becomes an end token: every row ends there (greedy rows agree)
-  _, _, _, stopped = _generate(config, end_ids=(end,))
+  _, _, _, stopped = decode_with_logits(config, end_ids=(end,))
   first_end = list(greedy.tokens[0]).index(end)
   assert stopped.tokens.shape[1] == first_end + 1  # the loop stops once every row has ended
   assert decoding.completion(stopped.tokens[0], (end,)) == list(greedy.tokens[0, :first_end])

@@ -18,29 +18,9 @@ from MaxText.layers import models, moe
 from MaxText.layers.multi_token_prediction import MTP_LOGITS
 from MaxText.runtime import mesh
 from MaxText.tests.helpers import tiny_config
+from MaxText.tests.tiny_models import DEEPSEEK
 from MaxText.training import flops, train_step, training_setup
 
-# 1 dense layer, then 2 MoE layers of 8 experts in 4 groups (2 searched), k 2, a shared expert; latent attention with
-# a query bottleneck and YaRN.
-DEEPSEEK = [
-  "decoder_block=deepseek",
-  "base_num_decoder_layers=3",
-  "first_num_dense_layers=1",
-  "num_experts=8",
-  "num_experts_per_tok=2",
-  "n_routing_groups=4",
-  "topk_routing_group=2",
-  "base_moe_mlp_dim=16",
-  "routed_scaling_factor=2.5",
-  "q_lora_rank=16",
-  "kv_lora_rank=8",
-  "qk_nope_head_dim=8",
-  "qk_rope_head_dim=4",
-  "v_head_dim=6",
-  "rope_type=yarn",
-  "rope_factor=4",
-  "original_max_position_embeddings=16",
-]
 LENGTH = 16
 
 

@@ -1,7 +1,7 @@
 """DPO: pairs as rows, step 0 (policy = reference: loss log 2, rewards 0), parity with TRL's DPOTrainer in
 transformers (a policy apart from its reference, and the policy a 30-step run exports), and bad input.
 
-A tiny llama and tokenizer are built here (nothing is downloaded).
+A tiny llama (tiny_models.hf_llama) and tokenizer (helpers.build_chat_tokenizer) are built, nothing downloaded.
 """
 
 import json
@@ -17,16 +17,18 @@ from MaxText.errors import ConfigError, UserError
 from MaxText.features import selection
 from MaxText.input_pipeline.dpo import DpoDecoder
 from MaxText.input_pipeline.packing import PackedStream, RandomAccessCursor
-from MaxText.tests.helpers import run_python, run_train, tiny_config
-from MaxText.tests.sft_test import CHATML, _config, _hf_llama, build_chat_tokenizer
+from MaxText.tests.helpers import (
+  CHATML,
+  LORA_MODULES,
+  PAIRS,
+  build_chat_tokenizer,
+  run_python,
+  run_train,
+  sft_decoder_config,
+  tiny_config,
+)
+from MaxText.tests.tiny_models import hf_llama, nonzero_lora_b
 
-# A preference the model can learn: the chosen answers are the right ones.
-PAIRS = [
-  {"prompt": "what is two plus two", "chosen": "four", "rejected": "the cat sat on the mat"},
-  {"prompt": "hello there", "chosen": "how are you", "rejected": "no"},
-  {"prompt": "the cat", "chosen": "sat on the mat", "rejected": "ran far"},
-  {"prompt": "a dog", "chosen": "ran far", "rejected": "maybe yes"},
-]
 BETA = 0.1
 
 
@@ -37,7 +39,7 @@ def tokenizer_dir(tmp_path_factory):
 
 def _dpo_config(tokenizer_path, **overrides):
   keys = dict(train_data_columns=["prompt", "chosen", "rejected"], use_chat_template=True, max_target_length=64)
-  return _config(tokenizer_path, **{**keys, **overrides})
+  return sft_decoder_config(tokenizer_path, **{**keys, **overrides})
 
 
 def _rows(decoder, records, length):
@@ -141,7 +143,7 @@ def _ours(tokenizer_dir, policy_dir, reference_dir) -> dict:
 
 
 def test_step0_policy_is_the_reference(tokenizer_dir, tmp_path):
-  start = _converted(_hf_llama(tmp_path / "hf"), tmp_path / "maxtext")
+  start = _converted(hf_llama(tmp_path / "hf"), tmp_path / "maxtext")
   ours = _ours(tokenizer_dir, start, start)
   assert ours["loss"] == pytest.approx(np.log(2), rel=1e-6)
   for name in ("dpo/chosen_rewards", "dpo/rejected_rewards", "dpo/margin", "dpo/reward_accuracy"):
@@ -234,7 +236,7 @@ def _assert_equal_to_trl(ours: dict, trl: dict):
 
 def test_a_policy_apart_from_its_reference_gives_trls_loss_and_rewards(tokenizer_dir, tmp_path):
   """A policy that is the reference with noise added: our loss and dpo/* metrics equal TRL's DPOTrainer's."""
-  reference_hf = _hf_llama(tmp_path / "reference_hf")
+  reference_hf = hf_llama(tmp_path / "reference_hf")
   policy = transformers.AutoModelForCausalLM.from_pretrained(reference_hf, dtype=torch.float32)
   torch.manual_seed(3)  # a noise under which the policy prefers the chosen response for half the pairs
   with torch.no_grad():
@@ -256,7 +258,7 @@ def test_dpo_run_learns_the_preference_and_matches_trl(tokenizer_dir, tmp_path):
   """30 DPO steps of train.py from a converted llama, evaluating on the pairs every 10: the loss falls and the reward
   accuracy rises above 0.5; then our loss and metrics on the exported policy against the starting model equal TRL's
   DPOTrainer's in transformers, and so does the eval after the last step."""
-  hf_dir = _hf_llama(tmp_path / "hf")
+  hf_dir = hf_llama(tmp_path / "hf")
   start = _converted(hf_dir, tmp_path / "start")
   train, metrics = _train_dpo(tokenizer_dir, tmp_path, "dpo", start, "steps=30", "learning_rate=1e-3", "eval_interval=10")
   assert "eval after step 29: eval_loss=" in train.stdout + train.stderr
@@ -337,9 +339,7 @@ def test_lora_dpo_run_matches_trl_on_the_peft_export(tokenizer_dir, tmp_path):
   """DPO with LoRA, whose reference is the base (B zeroed): 20 steps of train.py from a converted llama start at
   log 2; the run's eval after its last step equals TRL's DPOTrainer training that adapter (the PEFT export) from the
   HF base, whose reference is the base with the adapter disabled."""
-  from MaxText.tests.lora_test import LORA_MODULES  # pylint: disable=import-outside-toplevel
-
-  hf_dir = _hf_llama(tmp_path / "hf")
+  hf_dir = hf_llama(tmp_path / "hf")
   start = _converted(hf_dir, tmp_path / "start")
   lora = ["enable_lora=true", "lora_rank=4", f"lora_module_path={LORA_MODULES}"]
   _, metrics = _train_dpo(
@@ -382,7 +382,6 @@ def test_a_qlora_dpo_step_moves_the_adapters_only(qtype):
   from MaxText.layers import layer_names  # pylint: disable=import-outside-toplevel
   from MaxText.runtime.mesh import create_device_mesh  # pylint: disable=import-outside-toplevel
   from MaxText.tests.helpers import token_batch  # pylint: disable=import-outside-toplevel
-  from MaxText.tests.lora_test import _nonzero_b  # pylint: disable=import-outside-toplevel
   from MaxText.training import train_step, training_setup  # pylint: disable=import-outside-toplevel
 
   keys = ("use_dpo=true", "enable_lora=true", "lora_rank=4", f"lora_weight_qtype={qtype}", "warmup_steps_fraction=0")
@@ -390,7 +389,7 @@ def test_a_qlora_dpo_step_moves_the_adapters_only(qtype):
   mesh = create_device_mesh(config)
   setup = training_setup.build(config, mesh)
   state = setup.init_state(config, mesh)
-  state = state.replace(params=_nonzero_b(state.params))  # the policy differs from the reference
+  state = state.replace(params=nonzero_lora_b(state.params))  # the policy differs from the reference
   pair = jnp.repeat(jnp.array([1, 2], jnp.int32), 16)[None].repeat(2, axis=0)  # chosen, then rejected, in each row
   new_state, metrics = jax.jit(lambda s, b: train_step.train_step(setup.model, config, setup.features, s, b))(
     state, token_batch(segmentation=pair)

@@ -19,6 +19,7 @@ from MaxText.checkpoints import layer_stacking
 from MaxText.layers import attention_masks, attentions, block_parts, embeddings, linears, models, normalizations
 from MaxText.runtime import mesh
 from MaxText.tests.helpers import tiny_config
+from MaxText.tests.tiny_models import FAMILIES
 from MaxText.training import train_step, training_setup
 
 BATCH, LENGTH = 2, 16
@@ -223,52 +224,6 @@ def _randomize(params, seed=7, scale=0.1):
 def _unrolled(params, config):
   dec = layer_stacking.unstack_layers(params["decoder"], models.num_blocks(config), config.param_scan_axis)
   return dict(params, decoder=dec)
-
-
-# Tiny configs of each family: the options that make it that family, on TINY_MODEL dims (E=32, D=8, 4/2 heads).
-FAMILIES = {
-  "llama2": [
-    "rope_scaling_factor=8",
-    "rope_scaling_high_freq_factor=8",
-    "rope_scaling_original_max_position_embeddings=256",
-  ],
-  "mistral": ["sliding_window_size=5"],
-  "gemma": ["mlp_activations=[gelu,linear]", "logits_via_embedding=true", "normalize_embedding_logits=false"],
-  "gemma2": [
-    "mlp_activations=[gelu,linear]",
-    "logits_via_embedding=true",
-    "normalize_embedding_logits=false",
-    "base_num_decoder_layers=4",
-    "sliding_window_size=5",
-    "attn_logits_soft_cap=2.0",
-    "final_logits_soft_cap=3.0",
-    "use_post_attn_norm=true",
-    "use_post_ffw_norm=true",
-    "query_pre_attn_scalar=12",
-  ],
-  # 8 layers: 6 (the last global) and 2 more local ones; each kind with its RoPE base, the global one scaled.
-  "gemma3": [
-    "mlp_activations=[gelu,linear]",
-    "logits_via_embedding=true",
-    "normalize_embedding_logits=false",
-    "base_num_decoder_layers=8",
-    "sliding_window_size=5",
-    "rope_max_timescale=1000000",
-    "local_rope_max_timescale=100",
-    "rope_linear_scaling_factor=8",
-    "use_post_attn_norm=true",
-    "use_post_ffw_norm=true",
-    "query_pre_attn_scalar=12",
-  ],
-  "gpt3": [
-    "mlp_activations=[gelu]",
-    "trainable_position_size=64",
-    "logits_via_embedding=true",
-    "normalize_embedding_logits=false",
-    "base_num_kv_heads=4",
-  ],
-  "qwen3": ["normalization_layer_epsilon=1e-6"],
-}
 
 
 def _family_config(family, *extra):

@@ -12,8 +12,8 @@ import json
 import numpy as np
 import pytest
 
-from MaxText.tests.helpers import cpu_env, run_python
-from MaxText.tests.tiny_data import CHAT_DATA, DEEPSEEK, DPO, LORA, run_args, write_data_files
+from MaxText.tests.helpers import CHAT_DATA, DPO, LORA, cpu_env, run_args, run_python, write_data_files
+from MaxText.tests.tiny_models import DEEPSEEK
 
 STEPS = 3
 ROWS = 8  # the global batch: 1 row per device on 8 devices, 8 rows on 1

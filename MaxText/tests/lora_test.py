@@ -8,7 +8,17 @@ import pytest
 
 from MaxText.configuration import config_loader
 from MaxText.errors import ConfigError
-from MaxText.tests.helpers import BASE_YML, TRAIN_PY, run_python, run_train, tiny_config
+from MaxText.tests.helpers import (
+  BASE_YML,
+  CHATML,
+  LORA_MODULES,
+  build_chat_tokenizer,
+  chat_sft_losses,
+  lora_run,
+  run_train,
+  tiny_config,
+)
+from MaxText.tests.tiny_models import exports_give_our_logits, hf_llama, nonzero_lora_b
 
 
 def _setup(*args):
@@ -64,96 +74,19 @@ def test_a_step_moves_the_adapters_only():
   config, setup = _setup("learning_rate=1e-2", "warmup_steps_fraction=0")
   mesh = create_device_mesh(config)
   state = setup.init_state(config, mesh)
-  state = state.replace(params=_nonzero_b(state.params))  # a trained-looking B, so that A gets a gradient too
+  state = state.replace(params=nonzero_lora_b(state.params))  # a trained-looking B, so that A gets a gradient too
   new_state, _ = jax.jit(lambda s, b: train_step.train_step(setup.model, config, setup.features, s, b))(state, token_batch())
   for path, old, new in zip(_paths(state.params), jax.tree.leaves(state.params), jax.tree.leaves(new_state.params)):
     moved = not np.array_equal(np.asarray(old), np.asarray(new))
     assert moved == path.endswith(("/lora_a", "/lora_b")), path
 
 
-def _nonzero_b(params):
-  import jax  # pylint: disable=import-outside-toplevel
-
-  def fill(path, x):
-    return x + 0.01 if str(getattr(path[-1], "key", "")) == "lora_b" else x
-
-  return jax.tree_util.tree_map_with_path(fill, params)
-
-
 @pytest.mark.slow
 def test_lora_sft_run_loss_falls(tmp_path):
-  """30 steps of LoRA SFT on a small repeated chat set (sft_test's): the completion-only loss falls."""
-  from MaxText.tests.sft_test import CHATML, build_chat_tokenizer, chat_sft_losses  # pylint: disable=import-outside-toplevel
-
+  """30 steps of LoRA SFT on a small repeated chat set (helpers.CONVERSATIONS): the completion-only loss falls."""
   lora = ["enable_lora=true", "lora_rank=16", "lora_module_path=decoder/layers/.*", "learning_rate=3e-2"]
   losses = chat_sft_losses(tmp_path, "lora", build_chat_tokenizer(tmp_path / "tok", CHATML), *lora)
   assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5]), losses
-
-
-def _lora_logits(run_dir: str, base_params: str, model_yml: str, tokens: np.ndarray) -> np.ndarray:
-  """Our LoRA model's float32 logits: the run's config and latest checkpoint's adapters over the base params."""
-  import flax.linen as nn  # pylint: disable=import-outside-toplevel
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-
-  from MaxText.checkpoints import checkpointing
-  from MaxText.features import lora  # pylint: disable=import-outside-toplevel
-  from MaxText.hf_conversion import converter  # pylint: disable=import-outside-toplevel
-  from MaxText.training import training_setup
-
-  run_config, items = converter.load_maxtext_dir(run_dir)
-  keys = ("enable_lora", "lora_rank", "lora_alpha", "lora_module_path")
-  config = converter.maxtext_config(
-    model_yml,
-    dtype="float32",
-    weight_dtype="float32",
-    max_target_length=tokens.shape[1],
-    **{k: getattr(run_config, k) for k in keys},
-  )
-  model = training_setup.create_model(config)
-  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-  abstract = jax.eval_shape(lambda: model.init({"params": jax.random.PRNGKey(0)}, tokens, positions))["params"]
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), nn.unbox(abstract))
-  base, adapters = lora.split(abstract)
-  params = lora.join(
-    checkpointing.load_params(base_params, base, config.param_scan_axis),
-    checkpointing.load_params(items, adapters, config.param_scan_axis),
-  )
-  with jax.default_matmul_precision("float32"):
-    return np.asarray(model.apply({"params": params}, tokens, positions))
-
-
-LORA_MODULES = "decoder/layers/(self_attention/(query|key|value|out)|mlp/(wi_0|wi_1|wo))"
-
-
-def lora_run(tmp_path, hf_dir: str, *args, stops=(3,)):
-  """hf_dir converted, then LoRA steps on it with `args` (the LoRA keys among them), a train.py run to each step
-  count of `stops` (each resuming the last): (model.yml, base params, run dir, the last run's process)."""
-  from MaxText.hf_conversion import converter  # pylint: disable=import-outside-toplevel
-
-  converter.to_maxtext(hf_dir, str(tmp_path / "maxtext"))
-  model_yml, base_params = str(tmp_path / "maxtext" / converter.MODEL_YML), str(tmp_path / "maxtext" / "params")
-  common = [
-    TRAIN_PY,
-    model_yml,
-    "run_name=lora",
-    f"base_output_directory={tmp_path}",
-    f"load_parameters_path={base_params}",
-    "learning_rate=1e-2",
-    "warmup_steps_fraction=0",
-    "dataset_type=synthetic",
-    "per_device_batch_size=2",
-    "max_target_length=32",
-    "dtype=float32",
-    "enable_tensorboard=false",
-    "checkpoint_period=3",
-    *args,
-  ]
-  for steps in stops:
-    result = run_python([*common, f"steps={steps}"])
-    assert result.returncode == 0, result.stderr[-3000:]
-  return model_yml, base_params, str(tmp_path / "lora"), result
 
 
 def test_lora_round_trip_peft_and_merged_export_give_our_logits(tmp_path, capsys):
@@ -161,9 +94,8 @@ def test_lora_round_trip_peft_and_merged_export_give_our_logits(tmp_path, capsys
   and the merged export both give our LoRA model's logits."""
 
   from MaxText.hf_conversion import converter, logit_check  # pylint: disable=import-outside-toplevel
-  from MaxText.tests.sft_test import _hf_llama  # pylint: disable=import-outside-toplevel
 
-  hf_dir = _hf_llama(tmp_path / "hf")
+  hf_dir = hf_llama(tmp_path / "hf")
   nested = ["lora.enable_lora=true", "lora.lora_rank=4", "lora.lora_alpha=8", f"lora.lora_module_path={LORA_MODULES}"]
   # The second run resumes from the first one's adapters-only checkpoint.
   model_yml, base_params, run_dir, result = lora_run(tmp_path, hf_dir, *nested, stops=(3, 4))
@@ -184,32 +116,6 @@ def test_lora_round_trip_peft_and_merged_export_give_our_logits(tmp_path, capsys
   run_keys = dict(run_name="lora", base_output_directory=str(tmp_path), load_parameters_path=base_params)
   decoding._warn_if_the_run_has_adapters(converter.maxtext_config(model_yml, **run_keys))  # pylint: disable=protected-access
   assert "run lora's latest checkpoint holds LoRA adapters, which this decode leaves out" in capsys.readouterr().err
-
-
-def exports_give_our_logits(tmp_path, run_dir, hf_dir, base_params, model_yml, tokens, label="") -> np.ndarray:
-  """Exports the LoRA run to tmp_path/peft (PEFT) and tmp_path/merged (--merge_lora); asserts that PeftModel on the
-  HF base and the merged model give our LoRA model's logits (1e-4) and that the adapters moved it; returns ours."""
-  import peft  # pylint: disable=import-outside-toplevel  # requirements-test.txt
-  import torch  # pylint: disable=import-outside-toplevel
-  import transformers  # pylint: disable=import-outside-toplevel
-
-  from MaxText import convert_checkpoint  # pylint: disable=import-outside-toplevel
-  from MaxText.hf_conversion import logit_check  # pylint: disable=import-outside-toplevel
-
-  convert_checkpoint.main(["c", "to_hf", "--maxtext_dir", run_dir, "--output_dir", str(tmp_path / "peft")])
-  convert_checkpoint.main(["c", "to_hf", "--maxtext_dir", run_dir, "--output_dir", str(tmp_path / "merged"), "--merge_lora"])
-  ours = _lora_logits(run_dir, base_params, model_yml, tokens)
-  base_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
-  peft_model = peft.PeftModel.from_pretrained(base_model, str(tmp_path / "peft")).eval()
-  with torch.no_grad():
-    peft_logits = peft_model(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
-  merged_logits = logit_check.hf_logits(str(tmp_path / "merged"), tokens)
-  base_logits = logit_check.hf_logits(hf_dir, tokens)
-  peft_diff, merged_diff = np.max(np.abs(peft_logits - ours)), np.max(np.abs(merged_logits - ours))
-  print(f"\n{label}LoRA logits: PEFT vs ours {peft_diff:.2e}, merged vs ours {merged_diff:.2e}")
-  assert np.max(np.abs(base_logits - ours)) > 1e-2  # the adapters moved the model
-  assert peft_diff < 1e-4 and merged_diff < 1e-4
-  return ours
 
 
 def _decoding_logits(tmp_path, base_params: str, model_yml: str, tokens: np.ndarray) -> np.ndarray:
@@ -261,9 +167,8 @@ def test_to_maxtext_reads_a_peft_adapter_and_gives_its_logits(tmp_path):
 
   from MaxText import convert_checkpoint  # pylint: disable=import-outside-toplevel
   from MaxText.hf_conversion import converter, logit_check  # pylint: disable=import-outside-toplevel
-  from MaxText.tests.sft_test import _hf_llama  # pylint: disable=import-outside-toplevel
 
-  hf_dir = _hf_llama(tmp_path / "hf")
+  hf_dir = hf_llama(tmp_path / "hf")
   adapter = _peft_adapter(hf_dir, str(tmp_path / "adapter"))
   out = tmp_path / "maxtext"
   convert_checkpoint.main(["c", "to_maxtext", "--hf_path", hf_dir, "--peft_adapter", adapter, "--output_dir", str(out)])
@@ -297,15 +202,10 @@ def test_to_maxtext_reads_a_peft_adapter_and_gives_its_logits(tmp_path):
 def test_a_peft_adapter_of_another_base_is_one_line(tmp_path):
   from MaxText.errors import UserError  # pylint: disable=import-outside-toplevel
   from MaxText.hf_conversion import converter  # pylint: disable=import-outside-toplevel
-  from MaxText.tests import sft_test  # pylint: disable=import-outside-toplevel
 
-  other = sft_test.LLAMA
-  try:
-    sft_test.LLAMA = {**other, "hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1}
-    adapter = _peft_adapter(sft_test._hf_llama(tmp_path / "other"), str(tmp_path / "adapter"))
-  finally:
-    sft_test.LLAMA = other
-  hf_dir = sft_test._hf_llama(tmp_path / "hf")
+  other = hf_llama(tmp_path / "other", hidden_size=32, num_attention_heads=2, num_key_value_heads=1)
+  adapter = _peft_adapter(other, str(tmp_path / "adapter"))
+  hf_dir = hf_llama(tmp_path / "hf")
   with pytest.raises(UserError, match=r"q_proj has lora_A \[4, 32\] .* needs \[4, 64\] .*another base model"):
     converter.to_maxtext(hf_dir, str(tmp_path / "maxtext"), adapter)
 

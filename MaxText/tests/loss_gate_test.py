@@ -21,8 +21,8 @@ import sys
 import numpy as np
 import pytest
 
-from MaxText.tests.helpers import REPO_ROOT, cpu_env, run_python
-from MaxText.tests.tiny_data import CHAT_DATA, DEEPSEEK, DPO, LORA, run_args, write_data_files
+from MaxText.tests.helpers import CHAT_DATA, DPO, LORA, REPO_ROOT, cpu_env, run_args, run_python, write_data_files
+from MaxText.tests.tiny_models import DEEPSEEK
 
 REFERENCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "loss_gate_reference.json")
 STEPS = 4

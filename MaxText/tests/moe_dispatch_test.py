@@ -22,8 +22,8 @@ from MaxText.aot import aot_compile
 from MaxText.errors import ConfigError
 from MaxText.layers import moe_dispatch
 from MaxText.runtime import mesh, sharding
-from MaxText.tests.deepseek_test import DEEPSEEK
 from MaxText.tests.helpers import BASE_YML, TEST_JAX_CACHE_DIR, run_python, tiny_args, tiny_config
+from MaxText.tests.tiny_models import DEEPSEEK
 from MaxText.training import training_setup
 
 E, K = 8, 2  # experts (2 on each of 4 expert shards), experts per token

@@ -20,8 +20,9 @@ from MaxText.errors import ConfigError
 from MaxText.features import selection
 from MaxText.layers import layer_names, linears, models
 from MaxText.list_layers import layer_lines
-from MaxText.runtime import mesh, sharding
-from MaxText.tests.helpers import TRAIN_PY, run_python, tiny_args, tiny_config, token_batch
+from MaxText.runtime import mesh
+from MaxText.tests.helpers import TRAIN_PY, run_python, tiny_args, tiny_config
+from MaxText.tests.tiny_models import padded_token_batch, run_train_steps
 from MaxText.training import train_step, training_setup
 
 ALL_STATS = (*numerics_config.STATS, *numerics_config.FP8_STATS)
@@ -252,11 +253,6 @@ def test_the_entry_point_stops_before_compiling_with_one_line_and_exit_2(tmp_pat
 # --- statistics in the step against the same tensors outside it ---------------------------------------------------
 
 
-def _batch():
-  """Two rows, the second padded from token 20: the statistics' mean is over real tokens only."""
-  return token_batch(segmentation=jnp.ones((2, 32), jnp.int32).at[1, 20:].set(0), seed=1)
-
-
 def _reference(config, params, batch, module_path):
   """The input, kernel and loss gradient w.r.t. the output of one DenseGeneral, from the model's own forward pass
   (unrolled layers, float32), with the output's gradient taken by jax.grad through an added perturbation."""
@@ -303,33 +299,19 @@ def _numpy_stats(x, tensor):
   }
 
 
-def _run_steps(config, steps: int):
-  """The real compiled train step on a fresh state for `steps` steps: (params before step 0, metrics per step)."""
-  device_mesh = mesh.create_device_mesh(config)
-  setup = training_setup.build(config, device_mesh)
-  state = setup.init_state(config, device_mesh)
-  params = jax.device_get(state.params)
-  step = aot_compile.compile_train_step(setup, config, device_mesh)
-  batch = jax.device_put(_batch(), sharding.data_sharding(config, device_mesh))
-  metrics = []
-  with sharding.logical_context(device_mesh, config):
-    for _ in range(steps):
-      state, m = step(state, batch)
-      metrics.append(jax.device_get(m))
-  return params, metrics
-
-
 @pytest.fixture(scope="module", params=[True, pytest.param(False, marks=pytest.mark.slow)], ids=["scanned", "unrolled"])
 def collected(request, tmp_path_factory):
   """Two steps with statistics every 2 steps (freq: 2), scanned or unrolled layers, and the reference tensors."""
   path = _write(tmp_path_factory.mktemp("numerics"), STATS_YAML)
   config = tiny_config(f"scan_layers={request.param}", f"numerics_debug_config={path}")
-  params, metrics = _run_steps(config, steps=2)
+  params, metrics = run_train_steps(config, steps=2)
   unrolled_config = tiny_config("scan_layers=false", "remat_policy=none")  # the plain forward pass, no remat
   unrolled = dict(params)
   if request.param:
     unrolled["decoder"] = layer_stacking.unstack_layers(params["decoder"], config.num_decoder_layers, config.param_scan_axis)
-  references = {path: _reference(unrolled_config, unrolled, _batch(), ("decoder", "layers_1", *path)) for path in TARGETS}
+  references = {
+    path: _reference(unrolled_config, unrolled, padded_token_batch(), ("decoder", "layers_1", *path)) for path in TARGETS
+  }
   return config, metrics, references
 
 

@@ -22,8 +22,8 @@ CASES = {
 
 def _lora_run(tmp_path, family: str, module_path: str):
   """A tiny HF model of `family`, converted, and 3 LoRA steps on it: (hf_dir, model.yml, base params, run dir)."""
-  from MaxText.tests.convert_checkpoint_test import build_hf_model  # pylint: disable=import-outside-toplevel
-  from MaxText.tests.lora_test import lora_run  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.helpers import lora_run  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.tiny_models import build_hf_model  # pylint: disable=import-outside-toplevel
 
   hf_dir = build_hf_model(str(tmp_path / "hf"), family)
   lora = ["enable_lora=true", "lora_rank=4", "lora_alpha=8", f"lora_module_path={module_path}"]
@@ -36,7 +36,7 @@ def _lora_run(tmp_path, family: str, module_path: str):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_peft_and_merged_exports_give_our_logits(tmp_path, case):
   from MaxText.hf_conversion import logit_check  # pylint: disable=import-outside-toplevel
-  from MaxText.tests.lora_test import exports_give_our_logits  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.tiny_models import exports_give_our_logits  # pylint: disable=import-outside-toplevel
 
   family, module_path = CASES[case]
   hf_dir, model_yml, base_params, run_dir = _lora_run(tmp_path, family, module_path)

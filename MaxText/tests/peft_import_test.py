@@ -15,9 +15,9 @@ MERGE = r"merge it into its base with PEFT's merge_and_unload\(\), save that and
 
 @pytest.fixture(scope="module", name="hf_dir")
 def _hf_dir(tmp_path_factory):
-  from MaxText.tests.sft_test import _hf_llama  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.tiny_models import hf_llama  # pylint: disable=import-outside-toplevel
 
-  return _hf_llama(tmp_path_factory.mktemp("hf"))
+  return hf_llama(tmp_path_factory.mktemp("hf"))
 
 
 def _adapter(hf_dir: str, out_dir: str, **lora_kwargs) -> str:

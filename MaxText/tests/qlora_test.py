@@ -216,9 +216,9 @@ def test_qlora_starts_from_a_float_checkpoint_and_resumes(tmp_path, qtype):
   checkpoint resumes onto it, and the losses are those of the same run in one go."""
   from MaxText.hf_conversion import converter  # pylint: disable=import-outside-toplevel
   from MaxText.tests.helpers import TRAIN_PY, read_metrics, run_python  # pylint: disable=import-outside-toplevel
-  from MaxText.tests.sft_test import _hf_llama  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.tiny_models import hf_llama  # pylint: disable=import-outside-toplevel
 
-  converter.to_maxtext(_hf_llama(tmp_path / "hf"), str(tmp_path / "maxtext"))
+  converter.to_maxtext(hf_llama(tmp_path / "hf"), str(tmp_path / "maxtext"))
   args = [
     TRAIN_PY,
     str(tmp_path / "maxtext" / converter.MODEL_YML),

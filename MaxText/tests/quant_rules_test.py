@@ -12,10 +12,9 @@ from jax import lax
 
 from MaxText.errors import ConfigError, UserError
 from MaxText.layers import quant_rules, quantizations
-from MaxText.tests import quantization_test
 from MaxText.tests.helpers import tiny_config
+from MaxText.tests.tiny_models import GEMM_DIMS, dense_outputs, gemm_and_grads, make_quantization, train_on_one_batch
 
-DIMS = quantization_test.DIMS  # x (2, 8, 16) . kernel (16, 32)
 MP_SCALE = "configs/quantization/mp_scale.json"  # shipped with the package
 
 
@@ -93,16 +92,16 @@ def _reference_kernel(kernel, quant: quant_rules.WeightQuant):
 def test_a_weight_only_gemm_multiplies_by_the_quantized_kernel(bits, scale, tile):
   weight = quant_rules.WeightQuant(bits, scale, tile)
   recipe = quantizations.Recipe(low=(True, False, False), weight=weight)
-  gemm = functools.partial(quantizations._gemm, quantization_test._quantization("intmp"), recipe, None)  # pylint: disable=protected-access
+  gemm = functools.partial(quantizations._gemm, make_quantization("intmp"), recipe, None)  # pylint: disable=protected-access
   x = jnp.eye(16, dtype=jnp.float32)[None]  # (1, 16, 16): the output is the kernel the GEMM used
   kernel = jax.random.normal(jax.random.PRNGKey(1), (16, 32))
-  used = np.asarray(gemm(x, kernel, DIMS))[0]
+  used = np.asarray(gemm(x, kernel, GEMM_DIMS))[0]
   expected, tie, steps = _reference_kernel(np.asarray(kernel), weight)
   np.testing.assert_allclose(used[~tie], expected[~tie], rtol=1e-6, atol=1e-7)
   assert np.all(np.abs(used - expected)[tie] <= steps[tie] * 1.0001)  # a tie: one step either way
   assert tie.sum() <= kernel.size // (tile if tile > 0 else 16) + 2  # the ties are the tiles' absmaxes, not the bulk
-  exact = quantization_test._gemm_and_grads(lax.dot_general)  # pylint: disable=protected-access
-  got = quantization_test._gemm_and_grads(gemm)  # pylint: disable=protected-access
+  exact = gemm_and_grads(lax.dot_general)
+  got = gemm_and_grads(gemm)
   np.testing.assert_array_equal(got[1], exact[1])  # weight-only: both backward GEMMs in high precision
   np.testing.assert_array_equal(got[2], exact[2])
 
@@ -114,14 +113,14 @@ def test_local_shard_count_gives_each_part_of_the_batch_its_own_wgrad_scales():
   g = jax.random.normal(jax.random.PRNGKey(2), (2, 8, 32))
 
   def wgrad(shards, rows):
-    quant = quantizations.Quantization("int8", False, 16, quantization_test._quantization("int8").numerics, 0, None, shards)  # pylint: disable=protected-access
-    gemm = functools.partial(quantizations._gemm, quant, quant.recipe("decoder.layers.0.mlp.wo"), None, dims=DIMS)  # pylint: disable=protected-access
+    quant = quantizations.Quantization("int8", False, 16, make_quantization("int8").numerics, 0, None, shards)
+    gemm = functools.partial(quantizations._gemm, quant, quant.recipe("decoder.layers.0.mlp.wo"), None, dims=GEMM_DIMS)  # pylint: disable=protected-access
     return jax.vjp(lambda k: gemm(x[rows], k), kernel)[1](g[rows])[0]
 
   halves = wgrad(1, slice(0, 1)) + wgrad(1, slice(1, 2))
   np.testing.assert_allclose(wgrad(2, slice(None)), halves, rtol=1e-5, atol=1e-6)
   assert not np.allclose(wgrad(1, slice(None)), halves, rtol=1e-5, atol=1e-6)  # one scale over both halves differs
-  exact = jax.vjp(lambda k: lax.dot_general(x, k, DIMS), kernel)[1](g)[0]
+  exact = jax.vjp(lambda k: lax.dot_general(x, k, GEMM_DIMS), kernel)[1](g)[0]
   np.testing.assert_array_equal(wgrad(0, slice(None)), exact)  # 0: wgrad in high precision
   assert not np.array_equal(wgrad(1, slice(None)), exact)
 
@@ -147,7 +146,7 @@ def test_intmp_quantizes_each_layer_as_its_pattern_says(tmp_path, scan):
     tmp_path, {".*/self_attention/key": {"bits": 4}, ".*/self_attention/query": {"bits": 8}, "__default__": {"bits": 6}}
   )
   outputs = {
-    mode: quantization_test._dense_outputs(f"scan_layers={scan}", f"quantization={mode}", f"quant_cfg_path={path}")  # pylint: disable=protected-access
+    mode: dense_outputs(f"scan_layers={scan}", f"quantization={mode}", f"quant_cfg_path={path}")
     for mode in ("intmp", "int8w", "int4w")
   }
   first_layer = {}
@@ -171,10 +170,10 @@ def test_intmp_quantizes_each_layer_as_its_pattern_says(tmp_path, scan):
 def test_a_tile_that_does_not_divide_the_kernel_is_one_line(tmp_path):
   path = _write(tmp_path, {".*/mlp/wo": {"tile_size": 5}})
   with pytest.raises(UserError, match=r"tile_size=5 for decoder/layers/mlp/wo, whose kernel's innermost contracting"):
-    quantization_test._dense_outputs("quantization=intmp", f"quant_cfg_path={path}")  # pylint: disable=protected-access
+    dense_outputs("quantization=intmp", f"quant_cfg_path={path}")
 
 
 @pytest.mark.parametrize("mode", ["int4w", "intmp"])
 def test_a_weight_only_run_learns(mode):
-  losses, _ = quantization_test._train("dtype=bfloat16", f"quantization={mode}", f"quant_cfg_path={MP_SCALE}", steps=8)  # pylint: disable=protected-access
+  losses, _ = train_on_one_batch("dtype=bfloat16", f"quantization={mode}", f"quant_cfg_path={MP_SCALE}", steps=8)
   assert np.all(np.isfinite(losses)) and losses[-1] < 0.8 * losses[0]

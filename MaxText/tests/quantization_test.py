@@ -13,24 +13,23 @@ import orbax.checkpoint as ocp
 import pytest
 from jax import lax
 
-from MaxText.aot import aot_compile
 from MaxText.errors import ConfigError
-from MaxText.layers import kv_cache, linears, quantizations
-from MaxText.runtime import mesh, sharding
-from MaxText.tests import decode_test, kill_resume_test
-from MaxText.tests.helpers import read_metrics, tiny_config
+from MaxText.layers import kv_cache, quantizations
+from MaxText.runtime import mesh
+from MaxText.tests.helpers import KILL_RESUME_STEPS, kill_resume_command, launch_run, read_metrics, tiny_config
+from MaxText.tests.tiny_models import (
+  DECODE_KEYS,
+  DECODE_PROMPT,
+  decode_with_logits,
+  dense_outputs,
+  full_forward_logits,
+  gemm_and_grads,
+  make_quantization,
+  run_train_steps,
+  train_on_one_batch,
+)
 from MaxText.training import training_setup
 
-
-def _quantization(mode, numerics=None, scanned_blocks=0):
-  """A Quantization as from_config makes it with base.yml's fp8 keys; numerics None: no numerics YAML."""
-  from MaxText.diagnostics import numerics_config  # pylint: disable=import-outside-toplevel
-
-  numerics = numerics_config.NumericsDebugConfig() if numerics is None else numerics
-  return quantizations.Quantization(mode, False, 1024, numerics, scanned_blocks)
-
-
-DIMS = (((2,), (0,)), ((), ()))
 FIRST_LAYER_HIGH = """first_layer_high:
   enabled: true
   layers: {layer_numbers: [1]}
@@ -48,27 +47,18 @@ def _write(tmp_path, text, name="numerics.yml"):
 # --- one GEMM ------------------------------------------------------------------------------------------------
 
 
-def _gemm_and_grads(gemm):
-  """(y, dx, dkernel) of y = gemm(x, kernel) for a fixed cotangent of y."""
-  x = jax.random.normal(jax.random.PRNGKey(0), (2, 8, 16))
-  kernel = jax.random.normal(jax.random.PRNGKey(1), (16, 32)) * 0.1
-  g = jax.random.normal(jax.random.PRNGKey(2), (2, 8, 32))
-  y, vjp = jax.vjp(lambda x, k: gemm(x, k, DIMS), x, kernel)
-  return (y, *vjp(g))
-
-
 ONE_GEMM_HIGH = [(False, True, True), (True, False, True), (True, True, False)]
 
 
 @pytest.mark.parametrize("mode, max_error", [("int8", 0.02), ("fp8", 0.1)])
 @pytest.mark.parametrize("low", [(True, True, True), (False, False, False), *ONE_GEMM_HIGH], ids=str)
 def test_a_gemm_in_high_precision_is_exactly_lax_dot_general(mode, max_error, low):
-  quant = _quantization(mode)
+  quant = make_quantization(mode)
   recipe = quantizations.Recipe(low=low, current=(True,) * 3 if mode == "fp8" else (False,) * 3)
   meta = {f"{t}_scale": jnp.ones(()) for t in quantizations.FP8_TENSORS}
   meta.update({f"{t}_amax_history": jnp.zeros(16) for t in quantizations.FP8_TENSORS})
-  exact = _gemm_and_grads(lax.dot_general)
-  got = _gemm_and_grads(functools.partial(quantizations._gemm, quant, recipe, meta))  # pylint: disable=protected-access
+  exact = gemm_and_grads(lax.dot_general)
+  got = gemm_and_grads(functools.partial(quantizations._gemm, quant, recipe, meta))  # pylint: disable=protected-access
   for gemm, in_low, a, b in zip(quantizations.GEMMS, low, got, exact):
     if in_low:  # quantized: close, not equal
       assert not np.array_equal(a, b), gemm
@@ -78,10 +68,10 @@ def test_a_gemm_in_high_precision_is_exactly_lax_dot_general(mode, max_error, lo
 
 
 def test_int8w_quantizes_the_kernel_of_fprop_only():
-  recipe = _quantization("int8w").recipe("decoder.layers.0.mlp.wo")
+  recipe = make_quantization("int8w").recipe("decoder.layers.0.mlp.wo")
   assert recipe.low == (True, False, False)
-  exact = _gemm_and_grads(lax.dot_general)
-  got = _gemm_and_grads(functools.partial(quantizations._gemm, _quantization("int8w"), recipe, None))  # pylint: disable=protected-access
+  exact = gemm_and_grads(lax.dot_general)
+  got = gemm_and_grads(functools.partial(quantizations._gemm, make_quantization("int8w"), recipe, None))  # pylint: disable=protected-access
   assert not np.array_equal(got[0], exact[0])
   np.testing.assert_array_equal(got[1], exact[1])
   np.testing.assert_array_equal(got[2], exact[2])
@@ -102,7 +92,7 @@ def test_the_yaml_selects_gemms_layers_and_scaling():
   }
   from MaxText.diagnostics import numerics_config  # pylint: disable=import-outside-toplevel
 
-  quant = _quantization("fp8", numerics_config.parse(yaml, "test"), scanned_blocks=2)
+  quant = make_quantization("fp8", numerics_config.parse(yaml, "test"), scanned_blocks=2)
   assert quant.recipe("decoder.layers.0.mlp.wo").low == (True, True, False)
   assert quant.recipe("decoder.layers.1.self_attention.query") == quantizations.Recipe(
     low=(True,) * 3, current=(True, False, False), margin=(2, 0, 0)
@@ -111,7 +101,7 @@ def test_the_yaml_selects_gemms_layers_and_scaling():
   assert quant.recipe("decoder.layers.0.MoeBlock_0.gate") == quantizations.HIGH  # nor is the MoE router
   distinct, indices = quant.layer_recipes(("decoder", "layers", "self_attention", "query"))
   assert len(distinct) == 2 and indices[0] != indices[1]
-  assert _quantization("int8", quant.numerics).recipe("decoder.layers.1.self_attention.query") == (
+  assert make_quantization("int8", quant.numerics).recipe("decoder.layers.1.self_attention.query") == (
     quantizations.Recipe(low=(True,) * 3)  # int8's scales are always current: no margin
   )
 
@@ -119,23 +109,11 @@ def test_the_yaml_selects_gemms_layers_and_scaling():
 # --- per layer, in the model -------------------------------------------------------------------------------------
 
 
-def _dense_outputs(*args):
-  """Every DenseGeneral output of the tiny model's forward pass (scanned ones stacked by layer)."""
-  config = tiny_config(*args)
-  model = training_setup.create_model(config)
-  tokens = jnp.asarray(np.random.default_rng(0).integers(1, config.vocab_size, (2, config.max_target_length)), jnp.int32)
-  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-  params = model.init({"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(0)}, tokens, positions)["params"]
-  capture = lambda module, _: isinstance(module, linears.DenseGeneral)  # noqa: E731
-  _, state = model.apply({"params": params}, tokens, positions, capture_intermediates=capture, mutable=["intermediates"])
-  return dict(jax.tree_util.tree_flatten_with_path(state["intermediates"]["decoder"])[0])
-
-
 @pytest.mark.parametrize("mode", ["int8", "fp8"])
 @pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unrolled"])
 def test_a_layer_disabled_by_the_yaml_computes_bit_identically(tmp_path, mode, scan):
-  plain = _dense_outputs(f"scan_layers={scan}")
-  quantized = _dense_outputs(
+  plain = dense_outputs(f"scan_layers={scan}")
+  quantized = dense_outputs(
     f"scan_layers={scan}", f"quantization={mode}", f"numerics_debug_config={_write(tmp_path, FIRST_LAYER_HIGH)}"
   )
   assert len(plain) == (8 if scan else 15)  # 7 dense layers (stacked by layer when scanned, else 2 x 7), the logits
@@ -153,37 +131,9 @@ def test_a_layer_disabled_by_the_yaml_computes_bit_identically(tmp_path, mode, s
 # --- training ----------------------------------------------------------------------------------------------------
 
 
-def _train(*args, steps: int):
-  """Losses of `steps` train steps on one repeated batch, and the final state."""
-  config = tiny_config("learning_rate=1e-2", "warmup_steps_fraction=0", *args)
-  device_mesh = mesh.create_device_mesh(config)
-  setup = training_setup.build(config, device_mesh)
-  state = setup.init_state(config, device_mesh)
-  step = aot_compile.compile_train_step(setup, config, device_mesh)
-  shape = (config.global_batch_size_to_load, config.max_target_length)
-  tokens = np.random.default_rng(0).integers(1, 64, shape).astype(np.int32)
-  positions = np.broadcast_to(np.arange(shape[1], dtype=np.int32), shape)
-  ones = np.ones(shape, np.int32)
-  batch = dict(
-    inputs=tokens,
-    targets=np.roll(tokens, -1, axis=1),
-    inputs_position=positions,
-    targets_position=positions,
-    inputs_segmentation=ones,
-    targets_segmentation=ones,
-  )
-  batch = jax.device_put(batch, sharding.data_sharding(config, device_mesh))
-  losses = []
-  with sharding.logical_context(device_mesh, config):
-    for _ in range(steps):
-      state, metrics = step(state, batch)
-      losses.append(float(metrics["learning/loss"]))
-  return np.asarray(losses), state
-
-
 @pytest.fixture(scope="module")
 def bf16_run():
-  return _train("dtype=bfloat16", steps=50)
+  return train_on_one_batch("dtype=bfloat16", steps=50)
 
 
 # The distance of a quantized run's loss from the bfloat16 run's at each of the 50 steps, relative to the bfloat16
@@ -197,7 +147,7 @@ LOSS_TOLERANCE = {"int8": 0.03, "fp8": 0.08}
 def test_a_quantized_run_tracks_the_bf16_run_for_50_steps(bf16_run, mode):
   reference, _ = bf16_run
   assert reference[-1] < 0.5 * reference[0]  # it learns: the comparison is not of two flat lines
-  losses, state = _train("dtype=bfloat16", f"quantization={mode}", steps=50)
+  losses, state = train_on_one_batch("dtype=bfloat16", f"quantization={mode}", steps=50)
   distance = np.abs(losses - reference) / np.maximum(reference, 1.0)
   assert distance.max() < LOSS_TOLERANCE[mode], f"max relative distance {distance.max():.4f} at step {distance.argmax()}"
   assert not np.array_equal(losses, reference)  # it is quantized
@@ -210,7 +160,9 @@ def test_a_quantized_run_tracks_the_bf16_run_for_50_steps(bf16_run, mode):
 def test_fp8_state_is_not_optimized_clipped_or_decayed():
   """With weight decay and clipping on, the state after a step is exactly what the GEMMs computed from the
   tensors: a history's newest amax is that tensor's amax, and the scale is the previous history's."""
-  losses, state = _train("quantization=fp8", "gradient_clipping_threshold=1e-3", "adam_weight_decay=0.5", steps=2)
+  losses, state = train_on_one_batch(
+    "quantization=fp8", "gradient_clipping_threshold=1e-3", "adam_weight_decay=0.5", steps=2
+  )
   assert np.isfinite(losses).all()
   meta = jax.tree.map(np.asarray, state.slots["fp8_meta"]["decoder"]["layers"]["mlp"]["wo"])
   history = meta["kernel_amax_history"]  # (layers, length), rolled as flax's: [step 1's amax, 0, ..., step 0's]
@@ -235,8 +187,9 @@ def test_gradient_accumulation_combines_the_fp8_state(tmp_path):
   the microbatches'. (Every GEMM in high precision, so that both steps compute the same tensors: in fp8 the
   microbatches' rounding differs, and so would the amaxes of later layers.)"""
   args = ("quantization=fp8", f"numerics_debug_config={_write(tmp_path, ALL_LAYERS_HIGH)}")
-  _, whole = _train(*args, "per_device_batch_size=2", steps=1)
-  _, accumulated = _train(*args, "per_device_batch_size=1", "gradient_accumulation_steps=2", steps=1)  # the same 2 rows
+  _, whole = train_on_one_batch(*args, "per_device_batch_size=2", steps=1)
+  # the same 2 rows, as 2 microbatches
+  _, accumulated = train_on_one_batch(*args, "per_device_batch_size=1", "gradient_accumulation_steps=2", steps=1)
   leaves = jax.tree_util.tree_flatten_with_path(whole.slots["fp8_meta"])[0]
   for (path, a), b in zip(leaves, jax.tree.leaves(accumulated.slots["fp8_meta"])):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, err_msg=jax.tree_util.keystr(path))
@@ -248,17 +201,17 @@ def test_gradient_accumulation_combines_the_fp8_state(tmp_path):
 @pytest.mark.slow
 def test_a_killed_fp8_run_resumes_with_its_fp8_state_bitwise(tmp_path):
   fp8 = ("quantization=fp8", "fp8_amax_history_length=16")
-  reference = kill_resume_test._command(tmp_path, "reference", 8, *fp8)  # pylint: disable=protected-access
-  code, stderr = kill_resume_test._launch(reference, 1)  # pylint: disable=protected-access
+  reference = kill_resume_command(tmp_path, "reference", 8, *fp8)
+  code, stderr = launch_run(reference, 1)
   assert code == 0, stderr[-3000:]
-  command = kill_resume_test._command(tmp_path, "killed", 8, *fp8)  # pylint: disable=protected-access
-  code, stderr = kill_resume_test._launch(command, 1, kill_at_step=15)  # pylint: disable=protected-access
+  command = kill_resume_command(tmp_path, "killed", 8, *fp8)
+  code, stderr = launch_run(command, 1, kill_at_step=15)
   assert code == -signal.SIGKILL, stderr[-2000:]
-  code, stderr = kill_resume_test._launch(command, 1)  # pylint: disable=protected-access
+  code, stderr = launch_run(command, 1)
   assert code == 0, stderr[-3000:]
   expected, got = read_metrics(tmp_path / "reference.jsonl"), read_metrics(tmp_path / "killed.jsonl")
   assert [m["learning/loss"] for m in got] == [m["learning/loss"] for m in expected]  # bitwise
-  final = kill_resume_test.STEPS - 1
+  final = KILL_RESUME_STEPS - 1
   states = [
     ocp.StandardCheckpointer().restore(tmp_path / run / "checkpoints" / str(final) / "items")
     for run in ("reference", "killed")
@@ -287,11 +240,10 @@ def test_fp8_statistics_count_the_real_casts_of_the_quantized_gemms(tmp_path):
   config = tiny_config(f"numerics_debug_config={path}", "quantization=fp8", "fp8_scaling=current", "base_emb_dim=256")
   plain_config = tiny_config(f"numerics_debug_config={path}", "base_emb_dim=256")
   from MaxText.diagnostics import numerics_stats  # pylint: disable=import-outside-toplevel
-  from MaxText.tests.numerics_debug_test import _run_steps  # pylint: disable=import-outside-toplevel
 
   rows = {}
   for name, cfg in (("fp8", config), ("plain", plain_config)):
-    _, metrics = _run_steps(cfg, steps=1)
+    _, metrics = run_train_steps(cfg, steps=1)
     plan = numerics_stats.create_plan(cfg, training_setup.build(cfg, mesh.create_device_mesh(cfg)).abstract_state.params)
     rows[name] = {
       (r["layer"], r["tensor"], r["stat"]): r["value"] for r in plan.rows(0, metrics[0][numerics_stats.METRICS_KEY])
@@ -333,14 +285,14 @@ KV_TOLERANCE = 0.03
 
 def _cache_logit_error(config):
   """Largest |logit| error of cached decoding against a forward pass without a cache, and that largest |logit|."""
-  model, params, device_mesh, result = decode_test._generate(config)  # pylint: disable=protected-access
-  full = decode_test._full_forward_logits(config, model, params, device_mesh, decode_test.PROMPT, result.tokens)  # pylint: disable=protected-access
+  model, params, device_mesh, result = decode_with_logits(config)
+  full = full_forward_logits(config, model, params, device_mesh, DECODE_PROMPT, result.tokens)
   return float(np.abs(result.logits - full).max()), float(np.abs(full).max())
 
 
 @pytest.mark.parametrize("axis", ["heads_and_dkv", "dkv"])
 def test_int8_kv_cache_decoding_stays_close_to_the_bf16_cache(axis):
-  args = [*decode_test.DECODE_KEYS, "dtype=bfloat16"]
+  args = [*DECODE_KEYS, "dtype=bfloat16"]
   error, largest = _cache_logit_error(tiny_config(*args, "quantize_kvcache=true", f"kv_quant_axis={axis}"))
   assert error / largest < KV_TOLERANCE, error / largest
   bf16_error, _ = _cache_logit_error(tiny_config(*args))
@@ -348,7 +300,7 @@ def test_int8_kv_cache_decoding_stays_close_to_the_bf16_cache(axis):
 
 
 def test_the_decode_cache_is_int8_with_its_scales():
-  config = tiny_config(*decode_test.DECODE_KEYS, "quantize_kvcache=true")
+  config = tiny_config(*DECODE_KEYS, "quantize_kvcache=true")
   model = training_setup.create_model(config)
   tokens = jnp.ones((2, 8), jnp.int32)
   positions = jnp.broadcast_to(jnp.arange(8), (2, 8))

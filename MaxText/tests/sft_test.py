@@ -1,7 +1,8 @@
 """Supervised fine-tuning on chat data: the chat template against transformers' apply_chat_template, the
 completion-only mask, the step-0 loss against a converted Hugging Face llama, bad input, and a short run.
 
-A tiny byte-level BPE tokenizer with a ChatML template is built here (nothing is downloaded).
+A tiny byte-level BPE tokenizer with a ChatML template (helpers.build_chat_tokenizer) and a tiny llama
+(tiny_models.hf_llama) are built, nothing downloaded.
 """
 
 import json
@@ -19,77 +20,29 @@ from MaxText.input_pipeline import sft
 from MaxText.input_pipeline.chat_template import ChatRenderer
 from MaxText.input_pipeline.packing import PackedStream, RandomAccessCursor
 from MaxText.input_pipeline.sft import SftDecoder
-from MaxText.tests.helpers import run_train, tiny_config
-
-CHATML = (
-  "{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
-  "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
-  "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
-  "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+from MaxText.tests.helpers import (
+  CHATML,
+  CONVERSATIONS,
+  build_chat_tokenizer,
+  chat_sft_losses,
+  sft_decoder_config,
+  tiny_config,
 )
+from MaxText.tests.tiny_models import hf_llama
+
 # Llama 3's shape: a BOS variable, headers, an end-of-turn token with nothing after it.
 LLAMA3_LIKE = (
   "{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' }}"
   "{{ m['content'] | trim }}{{ '<|eot_id|>' }}{% endfor %}"
   "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
-SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
-WORDS = "hello there how are you the cat sat on the mat a dog ran far what is two plus two four yes no maybe"
-CONVERSATIONS = [
-  [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "how are you"}],
-  [
-    {"role": "system", "content": "you are a cat"},
-    {"role": "user", "content": "what is two plus two"},
-    {"role": "assistant", "content": "four"},
-    {"role": "user", "content": "yes or no"},
-    {"role": "assistant", "content": "maybe the dog ran far"},
-  ],
-  [
-    {"role": "user", "content": "the cat"},
-    {"role": "assistant", "content": "sat on the mat"},
-    {"role": "user", "content": "a dog"},
-    {"role": "assistant", "content": "ran far"},
-  ],
-]
 END_OF_TURN = {CHATML: "<|im_end|>", LLAMA3_LIKE: "<|eot_id|>"}
-
-
-def build_chat_tokenizer(directory, template: str = CHATML) -> str:
-  """A byte-level BPE tokenizer of about 320 tokens with the chat template, saved as transformers saves one."""
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # pylint: disable=import-outside-toplevel
-
-  tok = Tokenizer(models.BPE(unk_token="<unk>"))
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = decoders.ByteLevel()
-  alphabet = pre_tokenizers.ByteLevel.alphabet()
-  trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS, initial_alphabet=alphabet)
-  tok.train_from_iterator([WORDS, "user assistant system"] * 4, trainer)
-  fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-  fast.chat_template = template
-  fast.save_pretrained(str(directory))
-  return str(directory)
 
 
 @pytest.fixture(scope="module")
 def tokenizers_dir(tmp_path_factory):
   root = tmp_path_factory.mktemp("tok")
   return {t: build_chat_tokenizer(root / name, t) for name, t in (("chatml", CHATML), ("llama3", LLAMA3_LIKE))}
-
-
-def _config(tokenizer_path, **overrides):
-  """The keys SftDecoder reads."""
-  keys = dict(
-    train_data_columns=["messages"],
-    train_data_column="text",
-    sft_train_on_completion_only=True,
-    max_target_length=64,
-    tokenizer_path=tokenizer_path,
-    chat_template="",
-    add_bos=True,
-    add_eos=True,
-    use_chat_template=False,
-  )
-  return types.SimpleNamespace(**{**keys, **overrides})
 
 
 @pytest.mark.parametrize("template", ["chatml", "llama3"])
@@ -120,7 +73,7 @@ def test_completion_only_mask_is_the_assistant_contents_and_end_of_turn(tokenize
 
 
 def test_packing_keeps_conversations_whole_and_masks_the_prompt(tokenizers_dir):
-  decode = SftDecoder(_config(tokenizers_dir[CHATML]))
+  decode = SftDecoder(sft_decoder_config(tokenizers_dir[CHATML]))
   documents = [decode({"messages": m}) for m in CONVERSATIONS * 2]
   stream = PackedStream(RandomAccessCursor(documents), seq_len=64)
   lengths = sorted(len(d["inputs"]) for d in documents)
@@ -140,7 +93,7 @@ def test_packing_keeps_conversations_whole_and_masks_the_prompt(tokenizers_dir):
 
 
 def test_a_conversation_longer_than_a_row_is_truncated_and_one_left_without_loss_dropped(tokenizers_dir):
-  decode = SftDecoder(_config(tokenizers_dir[CHATML], max_target_length=20))  # the prompt is 13 tokens
+  decode = SftDecoder(sft_decoder_config(tokenizers_dir[CHATML], max_target_length=20))  # the prompt is 13 tokens
   long_answer = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the cat sat on the mat " * 4}]
   document = decode({"messages": long_answer})
   assert len(document["inputs"]) == 20 and document["loss_mask"].any()
@@ -150,7 +103,7 @@ def test_a_conversation_longer_than_a_row_is_truncated_and_one_left_without_loss
 
 
 def test_samples_that_are_all_dropped_stop_the_run_with_one_line(tokenizers_dir):
-  decode = SftDecoder(_config(tokenizers_dir[CHATML], max_target_length=20))
+  decode = SftDecoder(sft_decoder_config(tokenizers_dir[CHATML], max_target_length=20))
   long_prompt = [{"role": "user", "content": "the cat sat on the mat " * 4}, {"role": "assistant", "content": "y"}]
   sample, kept = {"messages": long_prompt}, {"messages": [{"role": "user", "content": "hi"}, long_prompt[1]]}
   for _ in range(sft.MAX_DROPPED_IN_A_ROW - 1):
@@ -167,7 +120,7 @@ def test_prompt_completion_columns(tokenizers_dir):
   record = {"prompt": "what is two plus two", "completion": "four"}
   renderer = ChatRenderer(path)
   for use_chat_template in (True, False):
-    config = _config(path, train_data_columns=["prompt", "completion"], use_chat_template=use_chat_template)
+    config = sft_decoder_config(path, train_data_columns=["prompt", "completion"], use_chat_template=use_chat_template)
     document = SftDecoder(config)(record)
     targets = document["targets"][document["loss_mask"] == 1].tolist()
     assert targets == renderer.encode("four") + renderer.encode("<|im_end|>" if use_chat_template else "</s>")
@@ -209,7 +162,7 @@ def test_prompt_completion_columns(tokenizers_dir):
   ],
 )
 def test_bad_input_is_one_line(tokenizers_dir, record, columns, template, says):
-  config = _config(tokenizers_dir[CHATML], train_data_columns=columns, chat_template=template)
+  config = sft_decoder_config(tokenizers_dir[CHATML], train_data_columns=columns, chat_template=template)
   with pytest.raises(UserError) as e:
     SftDecoder(config)(record)
   assert says in str(e.value) and "\n" not in str(e.value)
@@ -222,27 +175,6 @@ def test_train_data_column_and_columns_together_is_a_config_error():
 
 # SFT numerics: a tiny random llama converted from transformers; our step-0 completion-only loss on packed chat
 # rows equals transformers' cross-entropy with labels -100 on the tokens outside the assistant turns.
-LLAMA = dict(
-  hidden_size=64,
-  intermediate_size=96,
-  num_hidden_layers=2,
-  num_attention_heads=4,
-  num_key_value_heads=2,
-  head_dim=16,
-  vocab_size=320,
-)
-
-
-def _hf_llama(directory) -> str:
-  torch.manual_seed(0)
-  model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).to(torch.float32)
-  with torch.no_grad():
-    for p in model.parameters():  # weights of order 1/sqrt(fan_in): logits O(1), every weight matters
-      p.copy_(1.0 + 0.2 * torch.randn_like(p) if p.ndim == 1 else torch.randn_like(p) / np.sqrt(p.shape[-1]))
-  model.save_pretrained(str(directory))
-  return str(directory)
-
-
 def _hf_completion_loss(model, renderer) -> float:
   """Transformers' mean cross-entropy over the assistant tokens of all conversations (labels -100 elsewhere)."""
   total, count = 0.0, 0
@@ -262,14 +194,14 @@ def test_step0_sft_loss_equals_transformers_masked_cross_entropy(tokenizers_dir,
   from MaxText.hf_conversion import converter, logit_check  # pylint: disable=import-outside-toplevel
   from MaxText.training import train_step  # pylint: disable=import-outside-toplevel
 
-  hf_dir = _hf_llama(tmp_path / "hf")
+  hf_dir = hf_llama(tmp_path / "hf")
   converter.to_maxtext(hf_dir, str(tmp_path / "maxtext"))
   renderer = ChatRenderer(tokenizers_dir[CHATML])
   hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
   expected = _hf_completion_loss(hf_model, renderer)
 
   length = 96
-  decode = SftDecoder(_config(tokenizers_dir[CHATML], max_target_length=length))
+  decode = SftDecoder(sft_decoder_config(tokenizers_dir[CHATML], max_target_length=length))
   stream = PackedStream(RandomAccessCursor([decode({"messages": m}) for m in CONVERSATIONS]), seq_len=length)
   rows = []
   while True:
@@ -289,35 +221,6 @@ def test_step0_sft_loss_equals_transformers_masked_cross_entropy(tokenizers_dir,
   ours = float(loss / aux.weights)
   print(f"\nSFT step-0 loss: ours {ours:.6f}, transformers {expected:.6f}, relative {abs(ours - expected) / expected:.2e}")
   assert ours == pytest.approx(expected, rel=1e-4)
-
-
-@pytest.mark.slow
-def chat_sft_losses(tmp_path, run_name: str, tokenizer_path: str, *args) -> list[float]:
-  """The losses of 30 completion-only SFT steps of train.py on CONVERSATIONS as jsonl (hf), with `args` added."""
-  data = tmp_path / "chat.jsonl"
-  with open(data, "w", encoding="utf-8") as f:
-    for i in range(64):
-      f.write(json.dumps({"messages": CONVERSATIONS[i % len(CONVERSATIONS)]}) + "\n")
-  result, metrics = run_train(
-    tmp_path,
-    run_name,
-    "steps=30",
-    "use_sft=true",
-    "sft_train_on_completion_only=true",
-    "train_data_columns=['messages']",
-    f"tokenizer_path={tokenizer_path}",
-    "vocab_size=320",
-    "max_target_length=64",
-    "dataset_type=hf",
-    "hf_path=json",
-    f"hf_train_files={data}",
-    "enable_checkpointing=false",
-    *args,
-  )
-  assert result.returncode == 0, result.stderr[-3000:]
-  losses = [m["learning/loss"] if "learning/loss" in m else m["loss"] for m in metrics]
-  assert len(losses) == 30
-  return losses
 
 
 def test_sft_training_run_loss_falls(tokenizers_dir, tmp_path):
