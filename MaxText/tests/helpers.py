@@ -2,6 +2,7 @@
 and chat tokenizer several tests train on. (Tiny models of each family, Hugging Face reference models and in-process
 computations on them: tiny_models.py.)"""
 
+import contextlib
 import json
 import os
 import pathlib
@@ -65,12 +66,51 @@ def read_metrics(path) -> list[dict]:
     return [json.loads(line) for line in f if line.strip()]
 
 
-def run_train(tmp_path, run_name, *args, env=None, metrics_name=None):
-  """Runs `python3 MaxText/train.py` on the tiny model under tmp_path; returns (process, metrics lines)."""
+def run_entry_point(main, argv: list[str]) -> subprocess.CompletedProcess:
+  """Runs an entry point's main(argv) in this process as its command line does (a UserError is one `Error:` line and
+  status 2; another exception is its traceback and status 1), capturing what it prints: no new Python and JAX to
+  start, which is most of a tiny run's time."""
+  import io  # pylint: disable=import-outside-toplevel
+  import traceback  # pylint: disable=import-outside-toplevel
+
+  from MaxText.runtime.entry_point import run_and_exit_on_user_error  # pylint: disable=import-outside-toplevel
+
+  out, err, status = io.StringIO(), io.StringIO(), 0
+  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), _in_repo_root():
+    try:
+      run_and_exit_on_user_error(main, argv)
+    except SystemExit as e:
+      status = e.code if isinstance(e.code, int) else 1
+    except Exception:  # pylint: disable=broad-except  # as the process would: its traceback, status 1
+      traceback.print_exc()
+      status = 1
+  return subprocess.CompletedProcess(argv, status, out.getvalue(), err.getvalue())
+
+
+@contextlib.contextmanager
+def _in_repo_root():
+  previous = os.getcwd()
+  os.chdir(REPO_ROOT)
+  try:
+    yield
+  finally:
+    os.chdir(previous)
+
+
+def run_train(tmp_path, run_name, *args, env=None, metrics_name=None, own_process=False):
+  """Runs train.py on the tiny model under tmp_path; returns (its result, metrics lines). In this process, unless
+  `env` asks for an environment of its own (devices, faults, M_* keys) or `own_process` for process-wide settings (the
+  compilation cache's directory, fault handlers): then `python3 MaxText/train.py`."""
   metrics = tmp_path / f"{metrics_name or run_name}.jsonl"
   argv = [TRAIN_PY, "MaxText/configs/base.yml", f"run_name={run_name}"]
   argv += tiny_args(f"base_output_directory={tmp_path}", f"metrics_file={metrics}", "learning_rate=1e-2", *args)
-  result = run_python(argv, env_extra=env)
+  if env or own_process:
+    result = run_python(argv, env_extra=env)
+  else:
+    from MaxText import train  # pylint: disable=import-outside-toplevel
+
+    assert not any(arg.startswith("jax_cache_dir=") for arg in args), "the cache directory is the process's: own_process"
+    result = run_entry_point(train.main, argv)
   return result, (read_metrics(metrics) if metrics.exists() else [])
 
 

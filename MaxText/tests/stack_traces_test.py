@@ -67,7 +67,8 @@ def test_off_by_default_starts_nothing():
 
 
 def test_training_under_stack_trace_collection(tmp_path):
-  result, metrics = run_train(tmp_path, "traces", "steps=2", "collect_stack_trace=true", "stack_trace_interval_seconds=1")
+  traces = ("collect_stack_trace=true", "stack_trace_interval_seconds=1")
+  result, metrics = run_train(tmp_path, "traces", "steps=2", *traces, own_process=True)  # fault handlers need real fds
   assert result.returncode == 0, result.stderr[-3000:]
   assert len(metrics) == 2
   assert "Stack traces of every thread every 1 s, and on a crash, go to stderr" in result.stdout

@@ -32,8 +32,8 @@ UPSTREAM_KEYS = {
 }
 
 
-def _train(tmp_path, run_name, *args, env=None):
-  result, metrics = run_train(tmp_path, run_name, *args, env=env)
+def _train(tmp_path, run_name, *args, env=None, own_process=False):
+  result, metrics = run_train(tmp_path, run_name, *args, env=env, own_process=own_process)
   assert result.returncode == 0, result.stderr[-3000:]
   return result, metrics
 
@@ -93,5 +93,5 @@ def test_variants_train(tmp_path, extra):
 
 def test_compilation_cache_is_written(tmp_path):
   cache = tmp_path / "jax_cache"
-  _train(tmp_path, "cached", "steps=2", f"jax_cache_dir={cache}")
+  _train(tmp_path, "cached", "steps=2", f"jax_cache_dir={cache}", own_process=True)
   assert os.listdir(cache)
