@@ -5,4 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")"
 python3 -m ruff format --check .
 python3 -m ruff check .
-python3 -m pytest "$@"
+# Two worker processes (a file's tests in the same one, with its module fixtures): most of a test's time is one
+# thread compiling, or waiting for a child process.
+python3 -m pytest -n 2 --dist loadfile "$@"
