@@ -209,7 +209,8 @@ def run_variant(variant: Variant, model: list[str], extra: list[str], steps: int
 
 # Asked in a fresh process, so that this one holds no GPU memory (libtpu, if installed, kept off a host without TPUs).
 _BACKEND_PROBE = (
-  f"import sys; sys.path.insert(0, {REPO_ROOT!r}); from MaxText.runtime import jax_runtime; jax_runtime.skip_absent_tpu('auto'); "
+  f"import sys; sys.path.insert(0, {REPO_ROOT!r}); from MaxText.runtime import jax_runtime; "
+  "jax_runtime.skip_absent_tpu('auto'); "
   "import jax; print(jax.default_backend())"
 )
 

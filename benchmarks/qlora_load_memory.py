@@ -75,7 +75,7 @@ def _measure(model_args, path: str, way: str) -> dict:
   before = _peak_kib()
   if way == "whole":
     float_base = lora.split(qlora.float_layout(held, config.weight_dtype))[0]
-    base = qlora_loading._quantize_all(checkpointing.load_params(path, float_base), held)  # pylint: disable=protected-access
+    base = qlora_loading.quantize_all(checkpointing.load_params(path, float_base), held)
   else:
     base, _ = lora.split(starting_state.load_parameters(config, setup.features, held))
   jax.block_until_ready(base)

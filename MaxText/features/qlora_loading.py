@@ -24,7 +24,7 @@ def load(path: str, tree: dict, float_params, held, scan_axis: int):
   """
   if params_layout.is_scanned(tree["params"]) != params_layout.is_scanned(float_params):
     loaded = checkpointing.load_params(path, float_params, scan_axis)
-    return _quantize_all(loaded, held)
+    return quantize_all(loaded, held)
   checkpointing.check_checkpoint_fits(tree["params"], float_params, path)
   kernels = {keys for keys, leaf in layer_names.flatten(held) if keys[-1] == "kernel" and qlora.is_code(leaf)}
   others, floats = layer_names.partition(float_params, lambda keys, _: keys in kernels)
@@ -37,7 +37,7 @@ def load(path: str, tree: dict, float_params, held, scan_axis: int):
   return params
 
 
-def _quantize_all(float_params, held):
+def quantize_all(float_params, held):
   """float_params with every kernel quantized at once (the float params are donated)."""
   if not adapters_layer.split(float_params)[1]:
     held = adapters_layer.split(held)[0]  # without the adapters that the checkpoint lacks

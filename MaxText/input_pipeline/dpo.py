@@ -17,12 +17,12 @@ import json
 import numpy as np
 
 from MaxText.errors import UserError
-from MaxText.input_pipeline.sft import SftDecoder, _text, _Where, check_rendered, data_columns
+from MaxText.input_pipeline.sft import RecordPlace, SftDecoder, check_rendered, data_columns, record_text
 from MaxText.input_pipeline.tokenizer import build_tokenizer
 
 
 def _is_messages(value) -> bool:
-  value = _text(value)
+  value = record_text(value)
   if isinstance(value, str):
     try:
       value = json.loads(value)
@@ -60,8 +60,8 @@ class DpoDecoder(SftDecoder):
 
   def _as_messages(self, value, role: str, where) -> list:
     if not _is_messages(value):
-      return [{"role": role, "content": _text(value)}]
-    value = _text(value)
+      return [{"role": role, "content": record_text(value)}]
+    value = record_text(value)
     value = json.loads(value) if isinstance(value, str) else value
     return [dict(m) for m in (value.tolist() if isinstance(value, np.ndarray) else value)]
 
@@ -70,8 +70,8 @@ class DpoDecoder(SftDecoder):
     chat = self.use_chat_template or _is_messages(response) or (prompt is not None and _is_messages(prompt))
     if not chat:
       path, add_bos, add_eos = self._tokenizer_args
-      prompt_ids = build_tokenizer(path, add_bos, False).encode(_text(prompt)) if prompt is not None else []
-      response_ids = build_tokenizer(path, add_bos and prompt is None, add_eos).encode(_text(response))
+      prompt_ids = build_tokenizer(path, add_bos, False).encode(record_text(prompt)) if prompt is not None else []
+      response_ids = build_tokenizer(path, add_bos and prompt is None, add_eos).encode(record_text(response))
       return prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids)
     first = [] if prompt is None else self._as_messages(prompt, "user", where)
     messages = first + self._as_messages(response, "assistant", where)
@@ -100,7 +100,7 @@ class DpoDecoder(SftDecoder):
 
   def __call__(self, record) -> dict:
     self.counts["read"] += 1
-    where = _Where(self.split, self.counts["read"] - 1, record)
+    where = RecordPlace(self.split, self.counts["read"] - 1, record)
     values = self._columns(record)
     prompt = values[0] if len(values) == 3 else None
     (chosen, chosen_mask), (rejected, rejected_mask) = (self._sample(prompt, v, where) for v in values[-2:])

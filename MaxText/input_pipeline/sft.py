@@ -55,7 +55,7 @@ def _as_dict(record) -> dict:
   )
 
 
-class _Where:
+class RecordPlace:
   """Names a record in an error line; formatted only when an error is raised."""
 
   def __init__(self, split: str, index: int, record):
@@ -65,7 +65,7 @@ class _Where:
     return f"{self.split} record {self.index} ({str(self.record)[:100]}...)"
 
 
-def _text(value):
+def record_text(value):
   if isinstance(value, np.ndarray) and value.ndim == 0:
     value = value.item()
   return bytes(value).decode("utf-8", errors="replace") if isinstance(value, (bytes, np.bytes_)) else value
@@ -114,7 +114,7 @@ class SftDecoder:
     return [fields[c] for c in self.columns]
 
   def _messages(self, value, where) -> list:
-    value = _text(value)
+    value = record_text(value)
     if isinstance(value, str):
       try:
         value = json.loads(value)
@@ -122,7 +122,7 @@ class SftDecoder:
         raise UserError(f"{where}: column '{self.columns[0]}' holds text, not a list of messages") from None
     messages = [dict(m) for m in (value.tolist() if isinstance(value, np.ndarray) else value)]
     for i, m in enumerate(messages):
-      if not isinstance(_text(m.get("content")), str):
+      if not isinstance(record_text(m.get("content")), str):
         raise UserError(f"{where}: message {i} ({m.get('role')}) has no text content ({m.get('content')!r})")
     if not any(m.get("role") == "assistant" for m in messages):
       raise UserError(f"{where} has no assistant turn (roles: {[m.get('role') for m in messages]}): nothing to learn from")
@@ -133,7 +133,7 @@ class SftDecoder:
     values = self._columns(record)
     if len(values) == 1:
       return self._render(self._messages(values[0], where), where)
-    prompt, completion = (_text(v) for v in values)
+    prompt, completion = (record_text(v) for v in values)
     for column, value in zip(self.columns, (prompt, completion)):
       if not isinstance(value, str):
         raise UserError(f"{where}: column '{column}' holds {value!r}, not text")
@@ -152,7 +152,7 @@ class SftDecoder:
 
   def __call__(self, record) -> dict:
     self.counts["read"] += 1
-    where = _Where(self.split, self.counts["read"] - 1, record)
+    where = RecordPlace(self.split, self.counts["read"] - 1, record)
     ids, mask = self.token_ids_and_mask(record, where)
     if len(ids) > self.max_tokens:
       ids, mask = ids[: self.max_tokens], mask[: self.max_tokens]

@@ -4,7 +4,7 @@ soft cap: shared by every attention kernel written in JAX (attentions.py, ring_a
 import jax.numpy as jnp
 
 # Large negative instead of -inf: a fully masked row then gives a uniform softmax instead of NaN.
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 def attention_mask(segment_ids, sliding_window: int = 0, order=None):

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.layers import context_parallel, initializers, kv_cache
-from MaxText.layers.attention_masks import _MASK_VALUE, attention_mask, cache_mask, soft_cap
+from MaxText.layers.attention_masks import MASK_VALUE, attention_mask, cache_mask, soft_cap
 from MaxText.layers.embeddings import LinearRopeScaling, Llama3RopeScaling, apply_rotary_embedding
 from MaxText.layers.flash_attention import flash_attention
 from MaxText.layers.gpu_attention import cudnn_attention, transformer_engine_attention
@@ -67,7 +67,7 @@ def masked_attention(query, key, value, mask, logits_soft_cap: float = 0.0, floa
     logits = logits.astype(jnp.float32)
   if logits_soft_cap > 0:
     logits = soft_cap(logits, logits_soft_cap)
-  logits = jnp.where(mask, logits, _MASK_VALUE)
+  logits = jnp.where(mask, logits, MASK_VALUE)
   probs = nn.softmax(logits, axis=-1).astype(value.dtype)
   out = jnp.einsum("bkgts,bskd->btkgd", probs, value)  # (B, T, Nkv, G, Dv)
   return out.reshape(batch, length, num_q, value.shape[-1])

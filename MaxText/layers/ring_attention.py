@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from MaxText.layers import context_parallel, mesh_specs
-from MaxText.layers.attention_masks import _MASK_VALUE, soft_cap
+from MaxText.layers.attention_masks import MASK_VALUE, soft_cap
 
 
 def sharded_ring_attention(
@@ -96,7 +96,7 @@ def _block_logits(q, k, q_seg, k_seg, q_idx, k_idx, options):
   if sliding_window > 0:
     mask &= q_idx[:, :, None] - k_idx[:, None, :] < sliding_window
   mask = mask[:, None, None]  # (b, 1, 1, t, s)
-  return jnp.where(mask, logits, _MASK_VALUE), tanh, mask
+  return jnp.where(mask, logits, MASK_VALUE), tanh, mask
 
 
 def _shift(axis_name, *xs):
@@ -116,7 +116,7 @@ def _forward(query, key, value, segment_ids, token_index, options):
   stat_dtype = jnp.float32 if float32_logits else query.dtype
   # Derived from q so that the loop carries are varying over the same manual axes as the blocks.
   acc = jnp.zeros_like(q, jnp.float32).transpose(0, 2, 3, 1, 4)  # (b, Nkv, G, t, D)
-  row_max = jnp.full_like(acc[..., 0], _MASK_VALUE, stat_dtype)  # (b, Nkv, G, t)
+  row_max = jnp.full_like(acc[..., 0], MASK_VALUE, stat_dtype)  # (b, Nkv, G, t)
   row_sum = jnp.zeros_like(row_max)
 
   def step(block, stats):
@@ -124,7 +124,7 @@ def _forward(query, key, value, segment_ids, token_index, options):
     row_max, row_sum, acc = stats
     logits, _, _ = _block_logits(q, k, segment_ids, k_seg, token_index, k_idx, options)
     new_max = jnp.maximum(row_max, logits.max(-1).astype(stat_dtype))
-    # A block with nothing visible to a row adds exp(0) per key at row_max = _MASK_VALUE; the first visible key
+    # A block with nothing visible to a row adds exp(0) per key at row_max = MASK_VALUE; the first visible key
     # (a token always sees itself) rescales that to exactly 0, as in the reference's softmax.
     p = jnp.exp(logits - new_max[..., None].astype(logits.dtype))
     alpha = jnp.exp(row_max - new_max)

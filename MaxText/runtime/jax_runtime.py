@@ -43,4 +43,5 @@ def enable_compilation_cache(cache_dir: str) -> None:
   if not cache_dir:
     return
   jax.config.update("jax_compilation_cache_dir", cache_dir)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+  if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:  # a threshold the user sets wins
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

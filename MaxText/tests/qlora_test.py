@@ -279,6 +279,6 @@ def test_the_float_base_is_quantized_one_kernel_at_a_time_as_it_loads(tmp_path, 
   base, adapters = lora.split(starting_state.load_parameters(q_config, q_setup.features, held))
   assert not adapters and alive == [1] * len(alive) and len(alive) == 7  # q, k, v, o, wi_0, wi_1, wo
   whole = checkpointing.load_params(path, lora.split(qlora.float_layout(held, "float32"))[0])
-  expected = qlora_loading._quantize_all(whole, held)  # pylint: disable=protected-access
+  expected = qlora_loading.quantize_all(whole, held)
   for got, want in zip(jax.tree.leaves(base), jax.tree.leaves(expected), strict=True):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -63,7 +63,7 @@ SECTIONS = {
       "The adapters' output is scaled by lora_alpha / lora_rank.", range=Range(0, low_open=True), acts_with=_LORA
     ),
     "lora_module_path": Key(
-      "A regex searched in the dense layers' names (python3 MaxText/list_layers.py; decoder/layers/mlp/wo; '.' for '/' too).",
+      "A regex searched in the dense layers' names (MaxText/list_layers.py lists them; '.' for '/' too).",
       acts_with=_LORA,
     ),
     "lora_weight_qtype": Key(
