@@ -47,6 +47,10 @@ SECTIONS = {
     "gradient_accumulation_steps": Key(
       "Microbatches per update: the update of one batch that many times larger.", range=POSITIVE
     ),
+    "z_loss_multiplier": Key(
+      "Adds this x logsumexp(logits)^2 per counted target token to the training loss (logged as learning/z_loss); 0: off.",
+      range=NON_NEGATIVE,
+    ),
     "learning_rate": Key("Peak learning rate, reached at the end of the warmup.", range=NON_NEGATIVE),
     "cosine_learning_rate_final_fraction": Key(
       "The cosine decays to learning_rate x this at learning_rate_schedule_steps (then 0).", range=FRACTION
