@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from MaxText.features import selection, z_loss
-from MaxText.tests.helpers import tiny_config
+from MaxText.tests.helpers import LORA, tiny_config
 from MaxText.tests.tiny_models import padded_token_batch, run_train_steps
 from MaxText.training import training_setup
 
@@ -16,7 +16,7 @@ MULTIPLIER = 0.3  # large, so that the term is a visible part of the loss
 def _reference(config, params) -> tuple[float, float]:
   """(mean cross-entropy, mean z-loss term) over padded_token_batch's counted tokens, in numpy float64."""
   batch = jax.device_get(padded_token_batch())
-  model = training_setup.create_model(config, features=())
+  model = training_setup.create_model(config)  # LoRA's adapters start with B = 0: the base model's logits
   logits = model.apply({"params": params}, batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
   logits = np.asarray(logits, np.float64)  # (B, T, V)
   peak = logits.max(axis=-1, keepdims=True)
@@ -27,10 +27,11 @@ def _reference(config, params) -> tuple[float, float]:
   return ((log_z - target_logit) * counted).sum() / tokens, MULTIPLIER * (log_z**2 * counted).sum() / tokens
 
 
-@pytest.mark.parametrize("accumulation", [1, 2])
-def test_logged_term_and_loss_equal_numpy_float64(accumulation):
+@pytest.mark.parametrize("accumulation,lora", [(1, False), (2, False), (1, True)])
+def test_logged_term_and_loss_equal_numpy_float64(accumulation, lora):
   rows = f"per_device_batch_size={2 // accumulation}"  # the batch of 2 rows, the padded one a microbatch of its own
-  config = tiny_config(f"z_loss_multiplier={MULTIPLIER}", f"gradient_accumulation_steps={accumulation}", rows)
+  args = (f"z_loss_multiplier={MULTIPLIER}", f"gradient_accumulation_steps={accumulation}", rows, *(LORA if lora else ()))
+  config = tiny_config(*args)
   params, metrics = run_train_steps(config, 1)
   xent, term = _reference(config, params)
   assert term > 0.05 * xent  # the term matters in the loss it joins
