@@ -68,7 +68,7 @@ CONTEXT_REMAT_POLICIES = ("minimal_flash", "minimal_with_context", "save_dot_wit
 MLP_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_exact", "relu", "tanh", "sigmoid", "linear")
 DTYPES = ("float32", "bfloat16", "float16")
 DATASET_TYPES = ("embedded", "synthetic", "tfds", "grain", "hf")
-OPTIMIZERS = ("adamw", "adam_pax", "sgd")
+OPTIMIZERS = ("adamw", "adam_pax", "sgd", "muon")
 HARDWARE = ("auto", "cpu", "gpu", "gpu_multiprocess", "tpu")
 XLA_FLAGS_PRESETS = ("", "a3mega")  # "" = none; the flags are in xla_flag_presets.PRESETS
 JAX_DISTRIBUTED_INIT = ("auto", "always", "never")

@@ -241,6 +241,8 @@ def coerce_value(key: str, value, default, where: str | None = None):
   if isinstance(value, str):
     parsed = parse_yaml(value, f"value of '{key}'") if value.strip() else None
   if default is None or expected not in (bool, int, float, list):
+    if isinstance(parsed, float) and not math.isfinite(parsed):  # a key of null default (typed by its Key's kind)
+      raise ConfigError(f"{subject} must be a finite number (e.g. 0.5 or 3e-4)")
     return parsed
   if expected is bool:
     if not isinstance(parsed, bool):

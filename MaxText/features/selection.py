@@ -16,6 +16,7 @@ from MaxText.features import (
   pipeline_layout,
   quantization,
   routing_bias,
+  z_loss,
 )
 
 
@@ -36,6 +37,8 @@ def for_config(config) -> tuple[feature_protocol.Feature, ...]:
     chosen.append(losses.MoeBalanceLoss(config))
   if config.mtp_num_layers > 0:
     chosen.append(losses.MtpLoss(config))
+  if config.z_loss_multiplier > 0:
+    chosen.append(z_loss.ZLoss(config))
   if config.use_dpo:
     chosen.append(dpo.Dpo(config, others=tuple(chosen)))
   schedule = pipeline_schedule.resolve(config.get_keys())

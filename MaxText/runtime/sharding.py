@@ -20,10 +20,17 @@ def logical_context(mesh, config):
 def logical_to_shardings(boxed_tree, mesh, config):
   """NamedShardings for a tree whose leaves carry logical axis names (nn.LogicallyPartitioned boxes).
 
-  The result has the structure of nn.unbox(boxed_tree); unannotated leaves are replicated.
+  The result has the structure of nn.unbox(boxed_tree); unannotated leaves are replicated. A box around no array
+  (optax's MaskedNode, where an optimizer that partitions the params, as Muon's, leaves one out of a part's state)
+  has nothing to shard and stays as it is.
   """
+  boxed_tree = jax.tree.map(_unbox_if_empty, boxed_tree, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
   specs = nn.get_partition_spec(boxed_tree)
   return nn.logical_to_mesh_sharding(specs, mesh, config.logical_axis_rules)
+
+
+def _unbox_if_empty(x):
+  return x.unbox() if isinstance(x, nn.meta.AxisMetadata) and not jax.tree.leaves(x.unbox()) else x
 
 
 def data_sharding(config, mesh) -> NamedSharding:

@@ -93,6 +93,7 @@ def test_the_switches_are_those_the_companion_warnings_named():
       "load_balance_loss_weight",
     ],
     "enable_dropout=true": ["dropout_rate"],
+    "opt_type=muon": ["muon_beta", "muon_weight_decay", "muon_consistent_rms"],
     "enable_checkpointing=true": ["async_checkpointing", "checkpoint_period"],
     "enable_lora=true": ["lora_rank", "lora_alpha", "lora_module_path", "lora_weight_qtype"],
     "quantization=intmp": ["quant_cfg_path"],

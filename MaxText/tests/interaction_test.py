@@ -52,6 +52,9 @@ FEATURES = {
   "numerics": [*LLAMA, "numerics_debug_config={stats_yaml}"],
   "mtp": [*LLAMA, "mtp_num_layers=1"],
   "checkify": [*LLAMA, "max_checkify=true"],
+  "z_loss": [*LLAMA, "z_loss_multiplier=1e-2"],
+  "muon": [*LLAMA, "opt_type=muon"],
+  "muon_lora": [*LLAMA, *LORA, "opt_type=muon"],  # Muon on the adapters alone
 }
 BLOCKS = {
   "gemma3": [

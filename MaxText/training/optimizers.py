@@ -1,9 +1,13 @@
-"""The optimizer: global-norm clipping -> AdamW (or Pax's Adam, or SGD), driven by the warmup + cosine learning-rate
-schedule."""
+"""The optimizer: global-norm clipping -> AdamW (or Pax's Adam, SGD, or Muon with AdamW), driven by the warmup +
+cosine learning-rate schedule."""
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import optax
+
+from MaxText.training import muon
 
 
 def create_learning_rate_schedule(config) -> optax.Schedule:
@@ -55,8 +59,15 @@ def scale_by_adam_pax(b1: float, b2: float, eps: float, eps_root: float, weight_
   return optax.GradientTransformation(init, update)
 
 
-def create_optimizer(config, learning_rate_schedule: optax.Schedule) -> optax.GradientTransformation:
-  """opt_type's optimizer, after clip_by_global_norm(gradient_clipping_threshold) when that is > 0."""
+def create_optimizer(
+  config, learning_rate_schedule: optax.Schedule, param_axes: Callable[[], object] | None = None
+) -> optax.GradientTransformation:
+  """opt_type's optimizer, after clip_by_global_norm(gradient_clipping_threshold) when that is > 0.
+
+  Args:
+    param_axes: () -> the params' logical axis names (a tree of PartitionSpecs); called only by opt_type=muon, which
+      reads from them which axes of each param are its matrix (training/muon.py).
+  """
   adam = dict(b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps, eps_root=config.adam_eps_root)
   if config.opt_type == "adam_pax":
     optimizer = optax.chain(
@@ -65,6 +76,9 @@ def create_optimizer(config, learning_rate_schedule: optax.Schedule) -> optax.Gr
     )
   elif config.opt_type == "sgd":
     optimizer = optax.sgd(learning_rate_schedule)
+  elif config.opt_type == "muon":
+    assert param_axes is not None, "opt_type=muon needs the params' logical axes"
+    optimizer = muon.create(config, learning_rate_schedule, param_axes)
   else:
     optimizer = optax.adamw(learning_rate_schedule, **adam, weight_decay=config.adam_weight_decay)
   if config.gradient_clipping_threshold > 0:

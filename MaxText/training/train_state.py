@@ -70,11 +70,24 @@ class TrainState:
     return f"TrainState(step={self.step!r}, slots={sorted(self.slots)})"
 
 
-def _init_boxed_state(model, tx, features, config, rng) -> TrainState:
+def _init_variables(model, config, rng) -> dict:
+  """model.init's variables, boxed with their logical axis names."""
   shape = (config.micro_batch_size_to_load, config.max_target_length)
   tokens = jnp.ones(shape, jnp.int32)
   positions = jnp.broadcast_to(jnp.arange(shape[1], dtype=jnp.int32), shape)
-  variables = model.init({"params": rng, "dropout": rng}, tokens, positions)
+  return model.init({"params": rng, "dropout": rng}, tokens, positions)
+
+
+def logical_param_axes(model, config, mesh):
+  """The params' logical axis names (a tree of PartitionSpecs; None where a dim has no name), from an abstract init:
+  nothing is allocated."""
+  with sharding.logical_context(mesh, config):
+    boxed = jax.eval_shape(functools.partial(_init_variables, model, config), jax.random.PRNGKey(0))
+  return nn.get_partition_spec(boxed["params"])
+
+
+def _init_boxed_state(model, tx, features, config, rng) -> TrainState:
+  variables = _init_variables(model, config, rng)
   slots = {}
   for feature in features:
     slots.update(feature.slots(variables))

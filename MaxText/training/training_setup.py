@@ -50,7 +50,8 @@ def build(
   """
   features = selection.for_config(config)
   model = create_model(config, features)
-  tx = optimizers.create_optimizer(config, optimizers.create_learning_rate_schedule(config))
+  schedule = optimizers.create_learning_rate_schedule(config)
+  tx = optimizers.create_optimizer(config, schedule, lambda: train_state.logical_param_axes(model, config, mesh))
   tx = feature_protocol.apply_all(features, "optimizer", tx)
   abstract_state, state_shardings = train_state.get_abstract_state(model, tx, features, config, mesh)
   for feature in features:

@@ -6,6 +6,7 @@ from MaxText.configuration.config_keys import FRACTION, NON_NEGATIVE, POSITIVE, 
 _DECAY = Range(0, 1, high_open=True)
 _CHECKPOINTS = On("enable_checkpointing", True)
 _LORA = On("enable_lora", True)
+_MUON = On("opt_type", "muon")
 
 SECTIONS = {
   "Checkpointing": {
@@ -36,16 +37,31 @@ SECTIONS = {
   },
   "Optimizer": {
     "opt_type": Key(
-      "The optimizer, after global-norm clipping: adamw | adam_pax (Pax's Adam, upstream's gpt3) | sgd.", choices=OPTIMIZERS
+      "The optimizer, after global-norm clipping: adamw | adam_pax (Pax's Adam, upstream's gpt3) | sgd | muon (+ AdamW).",
+      choices=OPTIMIZERS,
     ),
     "adam_b1": Key("Adam's first-moment decay.", range=_DECAY),
     "adam_b2": Key("Adam's second-moment decay.", range=_DECAY),
     "adam_eps": Key("Added to the root of the second moment.", range=NON_NEGATIVE),
     "adam_eps_root": Key("Added to the second moment inside the root.", range=NON_NEGATIVE),
     "adam_weight_decay": Key("Decoupled weight decay (AdamW), times the learning rate.", range=NON_NEGATIVE),
+    "muon_beta": Key("Muon's momentum decay (Nesterov).", range=_DECAY, acts_with=_MUON),
+    "muon_weight_decay": Key(
+      "Muon's decoupled weight decay on the matrices, times the learning rate.", range=NON_NEGATIVE, acts_with=_MUON
+    ),
+    "muon_consistent_rms": Key(
+      "Muon's updates scaled by this x sqrt(max(fan_in, fan_out)), 0.2: AdamW's size; null: sqrt(max(1, fan_out / fan_in)).",
+      range=Range(0, low_open=True, also=(None,), says="null (optax's width scaling) or > 0"),
+      acts_with=_MUON,
+      kind="float",
+    ),
     "gradient_clipping_threshold": Key("Clip the gradients to this global norm; 0 disables.", range=NON_NEGATIVE),
     "gradient_accumulation_steps": Key(
       "Microbatches per update: the update of one batch that many times larger.", range=POSITIVE
+    ),
+    "z_loss_multiplier": Key(
+      "Adds this x logsumexp(logits)^2 per counted target token to the training loss (logged as learning/z_loss); 0: off.",
+      range=NON_NEGATIVE,
     ),
     "learning_rate": Key("Peak learning rate, reached at the end of the warmup.", range=NON_NEGATIVE),
     "cosine_learning_rate_final_fraction": Key(
