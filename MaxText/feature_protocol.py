@@ -79,6 +79,11 @@ class Feature:
     them, or plans over them."""
     del abstract_params
 
+  def bind_state(self, abstract_state) -> None:
+    """Sees the whole train state (shapes, dtypes and shardings, the slots too) once it is known: e.g. what a slot
+    that on_start fills at every start holds, where a checkpoint does not hold it."""
+    del abstract_state
+
   def base_params(self, params):
     """The params of the model the run started from, where this feature can tell them from the params (LoRA: the
     adapters' B zeroed); None: it cannot."""

@@ -9,6 +9,7 @@ from MaxText import feature_protocol
 from MaxText.configuration import pipeline_schedule
 from MaxText.features import (
   context_parallel,
+  distillation,
   dpo,
   lora,
   losses,
@@ -36,6 +37,8 @@ def for_config(config) -> tuple[feature_protocol.Feature, ...]:
     chosen.append(losses.MoeBalanceLoss(config))
   if config.mtp_num_layers > 0:
     chosen.append(losses.MtpLoss(config))
+  if config.use_distillation:
+    chosen.append(distillation.Distillation(config))
   if config.use_dpo:
     chosen.append(dpo.Dpo(config, others=tuple(chosen)))
   schedule = pipeline_schedule.resolve(config.get_keys())

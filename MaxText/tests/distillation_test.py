@@ -1,0 +1,176 @@
+"""Logit distillation (features/distillation.py): the loss against a float64 reference, zero loss and gradient when
+the student is its teacher, the teacher's config from teacher_overrides (in YAML and as teacher_overrides.<key>= on
+the command line) and its one-line mistakes, and a run whose checkpoints leave the teacher out and whose resume reads
+it again."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from MaxText.checkpoints import checkpointing
+from MaxText.configuration import config_loader
+from MaxText.errors import ConfigError
+from MaxText.features import distillation, selection
+from MaxText.tests.helpers import BASE_YML, run_train, tiny_config, token_batch
+from MaxText.training import train_state, train_step, training_setup
+
+TEACHER_PATH = "teacher_overrides.load_parameters_path=/nowhere/teacher/items"  # read at a run's start only
+
+
+def _reference(student, teacher, batch, alpha, temperature):
+  """alpha x T^2 x KL(teacher_T || student_T) + (1 - alpha) x cross-entropy per counted token, in float64 NumPy."""
+
+  def log_softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+  student, teacher = np.asarray(student, np.float64), np.asarray(teacher, np.float64)
+  log_q, log_p = log_softmax(student / temperature), log_softmax(teacher / temperature)
+  kl = (np.exp(log_p) * (log_p - log_q)).sum(-1)
+  targets = np.asarray(batch["targets"])
+  xent = -np.take_along_axis(log_softmax(student), targets[..., None], -1)[..., 0]
+  counted = np.asarray(batch["targets_segmentation"]) != 0
+  return (alpha * temperature**2 * kl[counted].sum() + (1 - alpha) * xent[counted].sum()) / counted.sum()
+
+
+@pytest.mark.parametrize("alpha,temperature", [(0.5, 1.0), (0.3, 2.5), (1.0, 0.7), (0.0, 3.0)])
+def test_the_loss_is_the_formula_over_the_counted_tokens(alpha, temperature):
+  batch = token_batch(2, 32, segmentation=jnp.ones((2, 32), jnp.int32).at[1, 20:].set(0))
+  student = 3 * jax.random.normal(jax.random.PRNGKey(1), (2, 32, 4096))
+  teacher = 3 * jax.random.normal(jax.random.PRNGKey(2), (2, 32, 4096))
+  loss, weights, metrics = distillation.losses(student, teacher, batch, alpha, temperature)
+  assert float(weights) == 52
+  assert float(loss / weights) == pytest.approx(_reference(student, teacher, batch, alpha, temperature), rel=1e-5)
+  assert float(loss) == pytest.approx(
+    alpha * temperature**2 * float(metrics[distillation.KL]) + (1 - alpha) * float(metrics[distillation.CE]), rel=1e-6
+  )
+
+
+def _student_and_teacher(*args):
+  config = tiny_config("use_distillation=true", TEACHER_PATH, *args)
+  features = selection.for_config(config)
+  model = training_setup.create_model(config, features)
+  tokens = jnp.ones((2, 32), jnp.int32)
+  rng = jax.random.PRNGKey(0)
+  params = model.init({"params": rng, "dropout": rng}, tokens, tokens)["params"]
+  return config, features, model, params
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_a_student_that_is_its_teacher_has_zero_loss_and_zero_gradient_at_alpha_1(temperature):
+  config, features, model, params = _student_and_teacher("distill_alpha=1", f"distill_temperature={temperature}")
+  batch = token_batch(2, 32)
+
+  def loss(p):
+    total, aux = train_step.loss_fn(
+      model, config, features, p, batch, jax.random.PRNGKey(0), True, None, {"distillation": params}
+    )
+    return total / aux.weights, aux
+
+  (value, aux), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+  assert float(value) == 0.0 and float(aux.metrics[distillation.KL]) == 0.0
+  assert float(aux.metrics[distillation.CE]) > 1.0  # a random model: the hard term is there, at weight 0
+  assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grads)) < 1e-7
+
+
+def test_eval_is_the_students_cross_entropy():
+  config, features, model, params = _student_and_teacher("distill_alpha=1")
+  batch = token_batch(2, 32)
+  plain = tiny_config()
+  expected, _ = train_step.loss_fn(model, plain, (), params, batch, jax.random.PRNGKey(0), False)
+  state = train_state.TrainState.create(params, optax.identity())
+  metrics = train_step.eval_step(model, config, features, state, batch)
+  assert float(metrics["evaluation/total_loss"]) == pytest.approx(float(expected), rel=1e-6)
+
+
+def test_the_teacher_is_the_students_model_with_its_overrides_over_it():
+  config = tiny_config(
+    "use_distillation=true", TEACHER_PATH, "teacher_overrides.base_num_decoder_layers=4", "teacher_overrides.base_emb_dim=64"
+  )
+  teacher = distillation.teacher_config(config)
+  assert (teacher.num_decoder_layers, teacher.emb_dim, teacher.mlp_dim) == (4, 64, config.mlp_dim)
+  assert teacher.load_parameters_path == "/nowhere/teacher/items" and teacher.source("base_emb_dim") == "teacher_overrides"
+  assert (teacher.per_device_batch_size, teacher.dtype, teacher.vocab_size) == (2, "float32", 4096)  # the run's
+
+
+def test_a_teacher_preset_replaces_the_students_model_keys():
+  config = tiny_config("use_distillation=true", TEACHER_PATH, "teacher_overrides.model_name=llama2-7b", "vocab_size=32000")
+  teacher = distillation.teacher_config(config)
+  assert (teacher.emb_dim, teacher.num_decoder_layers, teacher.head_dim) == (4096, 32, 128)
+  assert (config.emb_dim, config.num_decoder_layers) == (32, 2)
+
+
+def test_teacher_overrides_nest_in_yaml_and_merge_with_the_command_line(tmp_path):
+  path = tmp_path / "distill.yml"
+  path.write_text(
+    f"base_config: {BASE_YML}\nuse_distillation: true\nteacher_overrides:\n  base_num_decoder_layers: 8\n"
+    "  load_parameters_path: /t/items\n",
+    encoding="utf-8",
+  )
+  values, sources = config_loader.load_raw_config(["t", str(path), "teacher_overrides.base_emb_dim=64"], {})
+  assert values["teacher_overrides"] == {
+    "base_num_decoder_layers": 8,
+    "load_parameters_path": "/t/items",
+    "base_emb_dim": "64",
+  }
+  assert sources["teacher_overrides"] == config_loader.SOURCE_CLI
+  with pytest.raises(ConfigError, match=r"teacher_overrides=3 is not a mapping of keys: write teacher_overrides.<key>="):
+    config_loader.load_raw_config(["t", BASE_YML, "teacher_overrides=3"], {})
+
+
+@pytest.mark.parametrize(
+  "args,message",
+  [
+    (
+      ["teacher_overrides.base_emb_dimm=64"],
+      "teacher_overrides.base_emb_dimm: unknown config key; did you mean 'base_emb_dim'?",
+    ),
+    (["teacher_overrides.steps=3"], "teacher_overrides.steps: the teacher takes the model keys"),
+    (["teacher_overrides.base_emb_dim=wide"], "teacher_overrides.base_emb_dim=wide is not an integer"),
+    (["teacher_overrides.base_num_query_heads=3"], "teacher_overrides: base_num_query_heads=3 must be a multiple of"),
+    (["teacher_overrides.quantization=int8"], "teacher_overrides.quantization=int8: the teacher runs unquantized"),
+    (
+      ["teacher_overrides.vocab_size=320"],
+      "the teacher's vocab_size=320 differs from the student's vocab_size=4096: the KL compares the two models'",
+    ),
+    (["use_dpo=true"], "use_distillation=true and use_dpo=true each replace the loss"),
+  ],
+)
+def test_a_teacher_mistake_is_one_line(args, message):
+  with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("?", r"\?")):
+    selection.for_config(tiny_config("use_distillation=true", TEACHER_PATH, *args))
+
+
+def test_a_teacher_without_params_is_one_line():
+  with pytest.raises(ConfigError, match=r"use_distillation=true needs teacher_overrides.load_parameters_path"):
+    selection.for_config(tiny_config("use_distillation=true"))
+
+
+@pytest.mark.slow
+def test_checkpoints_leave_the_teacher_out_and_a_resume_reads_it_again(tmp_path):
+  """A 4-layer teacher trained 2 steps; the 2-layer student distilled 2 steps (checkpointed), then resumed to 4: its
+  checkpoints hold no teacher, the resumed run reads it again and its losses continue the first run's."""
+  result, _ = run_train(tmp_path, "teacher", "steps=2", "base_num_decoder_layers=4", "async_checkpointing=false")
+  assert result.returncode == 0, result.stderr[-3000:]
+  teacher = [
+    "use_distillation=true",
+    "distill_temperature=2",
+    "teacher_overrides.base_num_decoder_layers=4",
+    f"teacher_overrides.load_parameters_path={tmp_path}/teacher/checkpoints/1/items",
+    "checkpoint_period=2",
+    "async_checkpointing=false",
+  ]
+  first, metrics = run_train(tmp_path, "student", "steps=2", *teacher)
+  assert first.returncode == 0, first.stderr[-3000:]
+  tree = checkpointing.tree_metadata(str(tmp_path / "student" / "checkpoints" / "1" / "items"), "the checkpoint")
+  assert sorted(tree) == ["opt_state", "params", "step"]
+  resumed, more = run_train(tmp_path, "student", "steps=4", *teacher, metrics_name="resumed")
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert "Distillation: the teacher (4 layers) read from" in resumed.stdout + resumed.stderr
+  assert [m["step"] for m in more] == [2, 3]
+  for m in metrics + more:
+    expected = 0.5 * 4 * m[distillation.KL] + 0.5 * m[distillation.CE]
+    assert m["learning/loss"] == pytest.approx(expected, rel=1e-5)
+    assert m[distillation.KL] > 0
