@@ -148,6 +148,144 @@ def test_a_teacher_without_params_is_one_line():
     selection.for_config(tiny_config("use_distillation=true"))
 
 
+# ---- against transformers ------------------------------------------------------------------------------------------
+
+# The teacher: twice the student's layers (tiny_models.HF_LLAMA's 2), wider, the same vocabulary (320).
+HF_TEACHER = {"num_hidden_layers": 4, "hidden_size": 96, "intermediate_size": 128}
+TEACHER_KEYS = {"base_num_decoder_layers": 4, "base_emb_dim": 96, "base_mlp_dim": 128}
+LENGTH = 64
+
+
+def _hf_batch() -> dict:
+  """Two rows of 64 random tokens of the 320, the second padded from token 40."""
+  tokens = np.random.default_rng(7).integers(0, 320, (2, LENGTH + 1)).astype(np.int32)
+  segmentation = np.ones((2, LENGTH), np.int32)
+  segmentation[1, 40:] = 0
+  positions = np.broadcast_to(np.arange(LENGTH, dtype=np.int32), (2, LENGTH))
+  return {
+    "inputs": tokens[:, :-1],
+    "inputs_position": positions,
+    "inputs_segmentation": segmentation,
+    "targets": tokens[:, 1:],
+    "targets_position": positions,
+    "targets_segmentation": segmentation,
+  }
+
+
+def _transformers_loss(student_hf: str, teacher_hf: str, batch: dict, alpha: float, temperature: float) -> float:
+  """The loss from the two transformers models' logits on the batch's inputs, the KL and the cross-entropy by torch."""
+  import torch  # pylint: disable=import-outside-toplevel  # requirements-test.txt
+  import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
+
+  from MaxText.hf_conversion import logit_check  # pylint: disable=import-outside-toplevel
+
+  student = torch.from_numpy(logit_check.hf_logits(student_hf, batch["inputs"])).double()
+  teacher = torch.from_numpy(logit_check.hf_logits(teacher_hf, batch["inputs"])).double()
+  log_q, log_p = F.log_softmax(student / temperature, -1), F.log_softmax(teacher / temperature, -1)
+  kl = F.kl_div(log_q, log_p, reduction="none", log_target=True).sum(-1)  # KL(p || q) per token
+  targets = torch.from_numpy(batch["targets"]).long()
+  xent = F.cross_entropy(student.flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape)
+  counted = torch.from_numpy(batch["targets_segmentation"] != 0).double()
+  loss = alpha * temperature**2 * (kl * counted).sum() + (1 - alpha) * (xent * counted).sum()
+  return float(loss / counted.sum())
+
+
+def _our_loss(student_yml: str, student_params: str, teacher: tuple[str, str], batch: dict, alpha, temperature):
+  """Our training loss of the student (a converted model.yml with these params) against the teacher ((model.yml,
+  params) converted), the teacher's model built from TEACHER_KEYS over the student's."""
+  from MaxText.hf_conversion import logit_check  # pylint: disable=import-outside-toplevel
+
+  config, model, student = logit_check.converted_model(student_yml, student_params, LENGTH)
+  _, _, teacher_params = logit_check.converted_model(*teacher, LENGTH)
+  teacher_keys = {**TEACHER_KEYS, "load_parameters_path": teacher[1]}
+  config = config.replace(
+    use_distillation=True, distill_alpha=alpha, distill_temperature=temperature, teacher_overrides=teacher_keys
+  )
+  features = selection.for_config(config)
+
+  def loss(student, teacher):
+    total, aux = train_step.loss_fn(
+      model, config, features, student, batch, jax.random.PRNGKey(0), True, None, {"distillation": teacher}
+    )
+    return total / aux.weights
+
+  with jax.default_matmul_precision("float32"):
+    return float(jax.jit(loss)(student, teacher_params))
+
+
+def _converted(hf_dir: str, directory) -> tuple[str, str]:
+  """(model.yml, params) of hf_dir converted to MaxText."""
+  from MaxText.hf_conversion import converter  # pylint: disable=import-outside-toplevel
+
+  converter.to_maxtext(hf_dir, str(directory))
+  return str(directory / converter.MODEL_YML), str(directory / converter.PARAMS_DIR)
+
+
+def _assert_equal(ours: float, theirs: float):
+  print(f"ours {ours:.8g}, transformers {theirs:.8g}, relative {abs(ours - theirs) / theirs:.1e}")
+  assert ours == pytest.approx(theirs, rel=1e-5)
+
+
+def _hf_student_and_teacher(tmp_path):
+  """Tiny transformers llamas (tiny_models.hf_llama): the student, and a teacher of HF_TEACHER's size."""
+  from MaxText.tests.tiny_models import hf_llama  # pylint: disable=import-outside-toplevel
+
+  return hf_llama(tmp_path / "student_hf"), hf_llama(tmp_path / "teacher_hf", **HF_TEACHER)
+
+
+def test_the_loss_equals_transformers_on_the_student_and_a_larger_teacher(tmp_path):
+  student_hf, teacher_hf = _hf_student_and_teacher(tmp_path)
+  student_yml, student_params = _converted(student_hf, tmp_path / "student")
+  teacher = _converted(teacher_hf, tmp_path / "teacher")
+  batch = _hf_batch()
+  ours = _our_loss(student_yml, student_params, teacher, batch, 0.7, 2.0)
+  _assert_equal(ours, _transformers_loss(student_hf, teacher_hf, batch, 0.7, 2.0))
+
+
+@pytest.mark.slow
+def test_a_distilled_student_exported_to_transformers_gives_our_loss(tmp_path):
+  """5 steps of train.py distil the converted student from the converted larger teacher; the student exported to
+  transformers (convert_checkpoint.py to_hf), with the teacher, gives our loss on the run's last checkpoint."""
+  from MaxText import train  # pylint: disable=import-outside-toplevel
+  from MaxText.hf_conversion import converter  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.helpers import TRAIN_PY, run_entry_point  # pylint: disable=import-outside-toplevel
+
+  student_hf, teacher_hf = _hf_student_and_teacher(tmp_path)
+  student_yml, student_params = _converted(student_hf, tmp_path / "student")
+  teacher = _converted(teacher_hf, tmp_path / "teacher")
+  teacher_keys = [f"teacher_overrides.{key}={value}" for key, value in TEACHER_KEYS.items()]
+  run = run_entry_point(
+    train.main,
+    [
+      TRAIN_PY,
+      student_yml,
+      "run_name=distilled",
+      f"base_output_directory={tmp_path}",
+      f"load_parameters_path={student_params}",
+      "use_distillation=true",
+      "distill_alpha=0.7",
+      "distill_temperature=2",
+      *teacher_keys,
+      f"teacher_overrides.load_parameters_path={teacher[1]}",
+      "dataset_type=synthetic",
+      "steps=5",
+      "learning_rate=1e-2",
+      "warmup_steps_fraction=0",
+      "per_device_batch_size=2",
+      f"max_target_length={LENGTH}",
+      "dtype=float32",
+      "enable_tensorboard=false",
+      "async_checkpointing=false",
+    ],
+  )
+  assert run.returncode == 0, run.stderr[-3000:]
+  exported = converter.to_hf(str(tmp_path / "distilled"), str(tmp_path / "exported_hf"))
+  batch = _hf_batch()
+  ours = _our_loss(student_yml, str(tmp_path / "distilled" / "checkpoints" / "4" / "items"), teacher, batch, 0.7, 2.0)
+  assert ours != pytest.approx(_our_loss(student_yml, student_params, teacher, batch, 0.7, 2.0), rel=1e-3)  # it moved
+  _assert_equal(ours, _transformers_loss(exported, teacher_hf, batch, 0.7, 2.0))
+
+
 @pytest.mark.slow
 def test_checkpoints_leave_the_teacher_out_and_a_resume_reads_it_again(tmp_path):
   """A 4-layer teacher trained 2 steps; the 2-layer student distilled 2 steps (checkpointed), then resumed to 4: its
