@@ -312,3 +312,45 @@ def test_checkpoints_leave_the_teacher_out_and_a_resume_reads_it_again(tmp_path)
     expected = 0.5 * 4 * m[distillation.KL] + 0.5 * m[distillation.CE]
     assert m["learning/loss"] == pytest.approx(expected, rel=1e-5)
     assert m[distillation.KL] > 0
+
+
+# The learning test's runs: the tiny model 64 wide, 64 tokens a row, 8 rows a step, on the embedded corpus.
+LEARNING = [
+  "base_emb_dim=64",
+  "base_mlp_dim=128",
+  "head_dim=16",
+  "max_target_length=64",
+  "per_device_batch_size=8",
+  "learning_rate=3e-3",
+  "eval_steps=4",
+]
+
+
+@pytest.mark.slow
+def test_a_student_distilled_from_a_deeper_teacher_beats_the_same_student_on_hard_labels(tmp_path):
+  """An 8-layer teacher trained 300 steps; a 4-layer student distilled from it 50 steps ends with a lower eval
+  cross-entropy than the same student (same init, same batches) trained 50 steps on the labels alone (6.48 against
+  6.84). About a minute here."""
+  teacher, _ = run_train(
+    tmp_path, "teacher", *LEARNING, "steps=300", "base_num_decoder_layers=8", "checkpoint_period=300", "eval_interval=300"
+  )
+  assert teacher.returncode == 0, teacher.stderr[-3000:]
+  student = [*LEARNING, "steps=50", "base_num_decoder_layers=4", "enable_checkpointing=false", "eval_interval=50"]
+  hard, hard_metrics = run_train(tmp_path, "hard_labels", *student)
+  assert hard.returncode == 0, hard.stderr[-3000:]
+  distilled, metrics = run_train(
+    tmp_path,
+    "distilled",
+    *student,
+    "use_distillation=true",
+    "distill_alpha=0.9",
+    "distill_temperature=1",
+    "teacher_overrides.base_num_decoder_layers=8",
+    f"teacher_overrides.load_parameters_path={tmp_path}/teacher/checkpoints/299/items",
+  )
+  assert distilled.returncode == 0, distilled.stderr[-3000:]
+  [hard_eval] = [m["eval/loss"] for m in hard_metrics if "eval/loss" in m]
+  [distilled_eval] = [m["eval/loss"] for m in metrics if "eval/loss" in m]
+  print(f"eval cross-entropy after 50 steps: distilled {distilled_eval:.4f}, hard labels {hard_eval:.4f}")
+  assert distilled_eval < hard_eval - 0.1
+  assert metrics[-1][distillation.KL] < metrics[0][distillation.KL] / 2  # the student moved towards the teacher
