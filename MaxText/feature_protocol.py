@@ -53,6 +53,9 @@ class Feature:
 
   name: str = ""  # unique: it keys the feature's step input and its microbatch result
   model_state: tuple[str, ...] = ()  # slots that are model variable collections (a frozen model copy takes them too)
+  # Slots that hold another model, of its own config (a distillation teacher): laid out as its config says, so the
+  # features that lay out the run's model (the pipeline's layer order) leave them alone.
+  own_layout: tuple[str, ...] = ()
 
   # -- The model, the optimizer, the train state --------------------------------------------------------------
 

@@ -36,9 +36,11 @@ KL, CE = "learning/distill_kl", "learning/distill_ce"  # the objective's metrics
 PATH_KEY = "teacher_overrides.load_parameters_path"
 
 # teacher_overrides takes the Model section's keys (the architecture, its dims and precision), model_name (a preset
-# over them) and load_parameters_path (its params); the other keys are the run's, which the student's config sets.
+# over them), load_parameters_path (its params) and how its layers go over the pipeline's stages; the other keys are
+# the run's, which the student's config sets.
 _MODEL_KEYS = frozenset(MODEL_SECTIONS["Model"])
-_TEACHER_KEYS = _MODEL_KEYS | {"model_name", "load_parameters_path"}
+_PIPELINE_KEYS = frozenset({"pipeline_parallel_layers", "num_layers_per_pipeline_stage", "num_pipeline_repeats"})
+_TEACHER_KEYS = _MODEL_KEYS | _PIPELINE_KEYS | {"model_name", "load_parameters_path"}
 _UNQUANTIZED = "the teacher runs unquantized (it is only read, never trained: quantization is the student's)"
 _REFUSED = {key: _UNQUANTIZED for key in ("quantization", "fp8_scaling", "fp8_amax_history_length")}
 # Values the student's config derived from base.yml's default (-1: from the model), which the teacher derives again.
@@ -56,8 +58,8 @@ def _typed_overrides(config) -> dict:
       raise ConfigError(f"teacher_overrides.{key}={config_loader.show_value(value)}: {_REFUSED[key]}")
     if key not in _TEACHER_KEYS:
       raise ConfigError(
-        f"teacher_overrides.{key}: the teacher takes the model keys (base.yml's Model section), model_name and "
-        f"load_parameters_path; {key} is the run's, set once for student and teacher"
+        f"teacher_overrides.{key}: the teacher takes the model keys (base.yml's Model section), model_name, "
+        f"load_parameters_path and the pipeline's layers per stage; {key} is the run's, set once for student and teacher"
       )
     typed[key] = config_loader.coerce_value(f"teacher_overrides.{key}", value, defaults[key])
   if not typed.get("load_parameters_path"):
@@ -140,6 +142,7 @@ class Distillation(feature_protocol.Feature):
   """use_distillation: the objective against a frozen teacher of its own config, held in the `teacher_params` slot."""
 
   name = "distillation"
+  own_layout = (TEACHER,)  # the teacher's layers are in its own pipeline order (on_start), not the student's
 
   def __init__(self, config):
     if config.use_dpo:

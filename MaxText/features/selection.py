@@ -43,5 +43,5 @@ def for_config(config) -> tuple[feature_protocol.Feature, ...]:
     chosen.append(dpo.Dpo(config, others=tuple(chosen)))
   schedule = pipeline_schedule.resolve(config.get_keys())
   if schedule is not None and schedule.reorders_layers:
-    chosen.append(pipeline_layout.PipelineLayout(config))
+    chosen.append(pipeline_layout.PipelineLayout(config, others=tuple(chosen)))
   return tuple(chosen)

@@ -9,12 +9,16 @@ import numpy as np
 import optax
 import pytest
 
+from MaxText.aot import aot_compile
 from MaxText.checkpoints import checkpointing
 from MaxText.configuration import config_loader
 from MaxText.errors import ConfigError
 from MaxText.features import distillation, selection
-from MaxText.tests.helpers import BASE_YML, run_train, tiny_config, token_batch
-from MaxText.training import train_state, train_step, training_setup
+from MaxText.layers import layer_names
+from MaxText.runtime import mesh, sharding
+from MaxText.tests.helpers import BASE_YML, LORA, run_train, tiny_config, token_batch
+from MaxText.tests.tiny_models import padded_token_batch
+from MaxText.training import starting_state, train_state, train_step, training_setup
 
 TEACHER_PATH = "teacher_overrides.load_parameters_path=/nowhere/teacher/items"  # read at a run's start only
 
@@ -146,6 +150,74 @@ def test_a_teacher_mistake_is_one_line(args, message):
 def test_a_teacher_without_params_is_one_line():
   with pytest.raises(ConfigError, match=r"use_distillation=true needs teacher_overrides.load_parameters_path"):
     selection.for_config(tiny_config("use_distillation=true"))
+
+
+# ---- with gradient accumulation and LoRA ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def teacher_items(tmp_path_factory) -> str:
+  """A 4-layer teacher's checkpoint: one train.py step of the tiny model."""
+  tmp_path = tmp_path_factory.mktemp("teacher")
+  result, _ = run_train(tmp_path, "teacher", "steps=1", "base_num_decoder_layers=4", "async_checkpointing=false")
+  assert result.returncode == 0, result.stderr[-3000:]
+  return str(tmp_path / "teacher" / "checkpoints" / "0" / "items")
+
+
+def _distilled_steps(teacher_items: str, *args, steps: int = 2):
+  """`steps` compiled train steps of the tiny student distilled from teacher_items on tiny_models'
+  padded_token_batch: (the state they start from, the final state, each step's loss)."""
+  config = tiny_config(
+    "use_distillation=true",
+    "distill_temperature=2",
+    "teacher_overrides.base_num_decoder_layers=4",
+    f"teacher_overrides.load_parameters_path={teacher_items}",
+    "learning_rate=1e-2",
+    "warmup_steps_fraction=0",
+    *args,
+  )
+  device_mesh = mesh.create_device_mesh(config)
+  setup = training_setup.build(config, device_mesh)
+  start = starting_state.start(setup.features, setup.init_state(config, device_mesh))
+  first = jax.device_get(start)
+  step = aot_compile.compile_train_step(setup, config, device_mesh)
+  batch = jax.device_put(padded_token_batch(), sharding.data_sharding(config, device_mesh))
+  state, losses = start, []
+  with sharding.logical_context(device_mesh, config):
+    for _ in range(steps):
+      state, metrics = step(state, batch)
+      losses.append(float(metrics["learning/loss"]))
+  return first, jax.device_get(state), losses
+
+
+def test_gradient_accumulation_gives_the_large_batchs_steps(teacher_items):
+  """SGD: its updates are the gradients (Adam's would magnify rounding in the tiny ones)."""
+  _, one, losses = _distilled_steps(teacher_items, "opt_type=sgd", "per_device_batch_size=2")
+  _, accumulated, accumulated_losses = _distilled_steps(
+    teacher_items, "opt_type=sgd", "per_device_batch_size=1", "gradient_accumulation_steps=2"
+  )
+  np.testing.assert_allclose(accumulated_losses, losses, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(accumulated.params), jax.tree.leaves(one.params)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_with_lora_the_adapters_move_and_the_base_and_the_teacher_do_not(teacher_items):
+  start, end, losses = _distilled_steps(teacher_items, *LORA)
+  assert np.isfinite(losses).all() and losses[1] < losses[0]
+  for (keys, old), new in zip(layer_names.flatten(start.params), jax.tree.leaves(end.params)):
+    assert (not np.array_equal(old, new)) == (keys[-1] in ("lora_a", "lora_b")), keys
+  teacher = checkpointing.load_params(teacher_items, jax.tree.map(_on_one_device, start.slots[distillation.TEACHER]))
+  for loaded, old, new in zip(
+    *(jax.tree.leaves(t) for t in (teacher, start.slots[distillation.TEACHER], end.slots[distillation.TEACHER]))
+  ):
+    np.testing.assert_array_equal(old, loaded)
+    np.testing.assert_array_equal(new, loaded)
+  opt_state_paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(end.opt_state)]
+  assert opt_state_paths and not any(distillation.TEACHER in path for path in opt_state_paths)
+
+
+def _on_one_device(x):
+  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
 
 
 # ---- against transformers ------------------------------------------------------------------------------------------
