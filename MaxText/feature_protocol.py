@@ -53,6 +53,9 @@ class Feature:
 
   name: str = ""  # unique: it keys the feature's step input and its microbatch result
   model_state: tuple[str, ...] = ()  # slots that are model variable collections (a frozen model copy takes them too)
+  # Slots that hold another model, of its own config (a distillation teacher): laid out as its config says, so the
+  # features that lay out the run's model (the pipeline's layer order) leave them alone.
+  own_layout: tuple[str, ...] = ()
 
   # -- The model, the optimizer, the train state --------------------------------------------------------------
 
@@ -78,6 +81,11 @@ class Feature:
     """Sees the model's params (shapes only) once they are known: raises a ConfigError when the feature cannot act on
     them, or plans over them."""
     del abstract_params
+
+  def bind_state(self, abstract_state) -> None:
+    """Sees the whole train state (shapes, dtypes and shardings, the slots too) once it is known: e.g. what a slot
+    that on_start fills at every start holds, where a checkpoint does not hold it."""
+    del abstract_state
 
   def base_params(self, params):
     """The params of the model the run started from, where this feature can tell them from the params (LoRA: the

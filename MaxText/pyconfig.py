@@ -106,7 +106,7 @@ def _is_remote(path: str) -> bool:
   return "://" in path
 
 
-def _scaled_dims(values, sources):
+def scaled_dims(values, sources):
   """Splits log2(global_parameter_scale) over heads/mlp, emb and layers, as upstream MaxText does."""
   log_scale = int(math.log2(values["global_parameter_scale"]))
   base, rem = divmod(log_scale, 3)
@@ -253,7 +253,7 @@ def _derive_static(values, sources, environ):
   if not values["run_name"] and environ.get("JOBSET_NAME"):
     values["run_name"], sources["run_name"] = environ["JOBSET_NAME"], f"{config_loader.SOURCE_ENV} JOBSET_NAME"
     config_validation.check_run_name(values["run_name"], origin="JOBSET_NAME")
-  _scaled_dims(values, sources)
+  scaled_dims(values, sources)
   _dataset_type_from_its_keys(values, sources)
   _dpo_data(values, sources)
   _numerics_debug(values, sources)

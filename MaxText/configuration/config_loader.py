@@ -129,6 +129,9 @@ def _config_chain(path: str, seen: tuple = ()) -> list[tuple[str, dict]]:
 # Upstream MaxText 2026 nests some keys under a mapping (`lora: {enable_lora: true, ...}` in YAML, lora.lora_rank=16
 # on its command line); here they are flat keys, and either spelling gives them.
 NESTED_MAPPINGS = ("lora",)
+# Keys whose value is a mapping of other keys (their default in base.yml is {}): upstream's teacher_overrides. On the
+# command line `teacher_overrides.<key>=value` sets one entry; every layer's mapping is merged into the one below it.
+MAPPING_KEYS = ("teacher_overrides",)
 
 
 def flatten_nested(data: dict, where: str) -> dict:
@@ -240,7 +243,7 @@ def coerce_value(key: str, value, default, where: str | None = None):
   parsed = value
   if isinstance(value, str):
     parsed = parse_yaml(value, f"value of '{key}'") if value.strip() else None
-  if default is None or expected not in (bool, int, float, list):
+  if default is None or expected not in (bool, int, float, list, dict):
     if isinstance(parsed, float) and not math.isfinite(parsed):  # a key of null default (typed by its Key's kind)
       raise ConfigError(f"{subject} must be a finite number (e.g. 0.5 or 3e-4)")
     return parsed
@@ -262,6 +265,12 @@ def coerce_value(key: str, value, default, where: str | None = None):
     if not math.isfinite(parsed):
       raise ConfigError(f"{subject} must be a finite number (e.g. 0.5 or 3e-4)")
     return float(parsed)
+  if expected is dict:
+    if parsed is None:
+      return {}
+    if not isinstance(parsed, dict) or not all(isinstance(k, str) for k in parsed):
+      raise ConfigError(f"{subject} is not a mapping of keys: write {key}.<key>=value, or {key}: {{<key>: value}} in YAML")
+    return parsed
   if not isinstance(parsed, list):
     example = f'{key}="{_example(default)}"' if where is None else f"{key}: {_example(default)}"
     raise ConfigError(f"{subject} is not a list: write it in YAML syntax, e.g. {example}")
@@ -285,11 +294,19 @@ def parse_cli(args: list[str]) -> dict[str, str]:
       raise ConfigError(f"argument '{arg}': write overrides as {key[2:]}=value, without leading dashes")
     if "." in key and key.split(".", 1)[0] in NESTED_MAPPINGS:  # upstream's lora.lora_rank=16
       key = key.split(".", 1)[1]
+    if "." in key and key.split(".", 1)[0] in MAPPING_KEYS and not key.split(".", 1)[1]:
+      raise ConfigError(f"argument '{arg}' names no key: write {key}<key>=value")
     if key in overrides and overrides[key] != value:
       max_logging.warn(f"'{key}' is given twice on the command line ({key}={overrides.pop(key)} and {arg}): the last wins")
     overrides.pop(key, None)  # the last one's place, for the order in which the values are applied
     overrides[key] = value
   return overrides
+
+
+def _mapping_entry(key: str) -> tuple[str, str] | None:
+  """(mapping key, entry) of `teacher_overrides.<entry>`; None for any other key."""
+  mapping, dot, entry = key.partition(".")
+  return (mapping, entry) if dot and mapping in MAPPING_KEYS and entry else None
 
 
 def env_overrides(environ, known_keys) -> dict[str, str]:
@@ -353,9 +370,17 @@ def load_raw_config(argv: list[str], environ, kwargs: dict | None = None) -> tup
   overrides.update({k: (v, SOURCE_CLI) for k, v in cli.items()})
   overrides.update({k: (v, SOURCE_KWARGS) for k, v in (kwargs or {}).items()})
   for key in overrides:
-    if key not in defaults:
+    if key not in defaults and _mapping_entry(key) is None:
       raise ConfigError(f"unknown config key '{key}'{closest_key_hint(key, defaults)}")
-  typed = {k: (coerce_value(k, v, defaults[k]), src) for k, (v, src) in overrides.items()}
+  typed = {}
+  for key, (value, src) in overrides.items():
+    entry = _mapping_entry(key)
+    if entry is not None:  # teacher_overrides.<key>=value
+      key, value = entry[0], {entry[1]: value}
+    value = coerce_value(key, value, defaults[key])
+    if key in MAPPING_KEYS:  # merged into the mapping below it (a file's, or an earlier override's)
+      value = {**typed.get(key, (values[key],))[0], **value}
+    typed[key] = (value, src)
 
   model_name = typed["model_name"][0] if "model_name" in typed else values["model_name"]
   if model_name != "default":

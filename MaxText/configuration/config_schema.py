@@ -26,7 +26,7 @@ SECTIONS: dict[str, dict[str, Key]] = {
 }
 KEYS: dict[str, Key] = {name: key for keys in SECTIONS.values() for name, key in keys.items()}
 
-_KINDS = {bool: "bool", int: "int", float: "float", str: "str", list: "list"}
+_KINDS = {bool: "bool", int: "int", float: "float", str: "str", list: "list", dict: "mapping"}
 
 
 def kind(name: str, default) -> str:

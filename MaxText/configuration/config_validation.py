@@ -293,6 +293,17 @@ def _check_diagnostics(v):
       )
 
 
+def validate_model(values: dict) -> None:
+  """The checks that a model's keys pass, alone and together (choices, ranges, heads, layers, activations): of a
+  second model (a distillation teacher) whose keys are set over a config already validated and resolved."""
+  _check_choices(values)
+  _check_ranges(values)
+  _check_numbers(values)
+  _check_activations(values)
+  _check_layer_options(values)
+  _check_deepseek(values)
+
+
 def validate_static(values: dict, reads_data: bool = True) -> None:
   """Raises ConfigError for the first invalid value (of the data keys only when the entry point reads_data). Needs no
   devices and no JAX."""

@@ -67,15 +67,23 @@ def to_logical(state, config):
 
 class PipelineLayout(feature_protocol.Feature):
   """A pipelined run whose schedule reorders the layers holds its state in memory order between on_start and
-  logical (every save, and the end of the loop)."""
+  logical (every save, and the end of the loop). The other features' own_layout slots (another model, laid out by
+  its own config) are left as they are."""
 
   name = "pipeline_layout"
 
-  def __init__(self, config):
+  def __init__(self, config, others=()):
     self.config = config
+    self.own_layout = {name for feature in others for name in feature.own_layout}
+
+  def _apart(self, state, reorder):
+    """reorder(state) applied to the state without the own_layout slots, which are then put back unchanged."""
+    kept = {name: slot for name, slot in state.slots.items() if name in self.own_layout}
+    state = reorder(state.replace(slots={name: slot for name, slot in state.slots.items() if name not in kept}))
+    return state.replace(slots=state.slots | kept)
 
   def on_start(self, state):
-    return to_memory(state, self.config)
+    return self._apart(state, lambda s: to_memory(s, self.config))
 
   def logical(self, state):
-    return to_logical(state, self.config)
+    return self._apart(state, lambda s: to_logical(s, self.config))

@@ -9,6 +9,7 @@ from MaxText import feature_protocol
 from MaxText.configuration import pipeline_schedule
 from MaxText.features import (
   context_parallel,
+  distillation,
   dpo,
   lora,
   losses,
@@ -39,9 +40,11 @@ def for_config(config) -> tuple[feature_protocol.Feature, ...]:
     chosen.append(losses.MtpLoss(config))
   if config.z_loss_multiplier > 0:
     chosen.append(z_loss.ZLoss(config))
+  if config.use_distillation:
+    chosen.append(distillation.Distillation(config))
   if config.use_dpo:
     chosen.append(dpo.Dpo(config, others=tuple(chosen)))
   schedule = pipeline_schedule.resolve(config.get_keys())
   if schedule is not None and schedule.reorders_layers:
-    chosen.append(pipeline_layout.PipelineLayout(config))
+    chosen.append(pipeline_layout.PipelineLayout(config, others=tuple(chosen)))
   return tuple(chosen)

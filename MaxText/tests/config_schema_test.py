@@ -65,7 +65,7 @@ def test_an_entry_agrees_with_its_default(name):
   key, default = config_schema.KEYS[name], DEFAULTS[name]
   assert key.help.strip() and "\n" not in key.help and len(key.help) <= 120
   kind = config_schema.kind(name, default)
-  assert kind in ("bool", "int", "float", "str", "list")
+  assert kind in ("bool", "int", "float", "str", "list", "mapping")
   if key.choices:
     assert all(item in key.choices for item in (default if kind == "list" else [default]))
   if key.range is not None:
@@ -96,6 +96,7 @@ def test_the_switches_are_those_the_companion_warnings_named():
     "opt_type=muon": ["muon_beta", "muon_weight_decay", "muon_consistent_rms"],
     "enable_checkpointing=true": ["async_checkpointing", "checkpoint_period"],
     "enable_lora=true": ["lora_rank", "lora_alpha", "lora_module_path", "lora_weight_qtype"],
+    "use_distillation=true": ["distill_alpha", "distill_temperature", "teacher_overrides"],
     "quantization=intmp": ["quant_cfg_path"],
     "quantization=int8": ["quantization_local_shard_count"],
     "enable_jax_profiler=true": ["jax_profiler_port"],

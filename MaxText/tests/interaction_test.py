@@ -12,7 +12,17 @@ import json
 import numpy as np
 import pytest
 
-from MaxText.tests.helpers import CHAT_DATA, DPO, LORA, cpu_env, run_args, run_python, write_data_files
+from MaxText.tests.helpers import (
+  BASE_YML,
+  CHAT_DATA,
+  DPO,
+  LORA,
+  TRAIN_PY,
+  cpu_env,
+  run_args,
+  run_python,
+  write_data_files,
+)
 from MaxText.tests.tiny_models import DEEPSEEK
 
 STEPS = 3
@@ -55,6 +65,16 @@ FEATURES = {
   "z_loss": [*LLAMA, "z_loss_multiplier=1e-2"],
   "muon": [*LLAMA, "opt_type=muon"],
   "muon_lora": [*LLAMA, *LORA, "opt_type=muon"],  # Muon on the adapters alone
+  # A teacher twice as deep as the student ({teacher}: the fixture's, trained one step on 1 device); 4 and 8 layers
+  # over 2 pipeline stages are 2 and 4 repeats, so each model holds its layers in its own memory order.
+  "distill": [
+    *LLAMA,
+    "base_num_decoder_layers=4",
+    "use_distillation=true",
+    "distill_temperature=2",
+    "teacher_overrides.base_num_decoder_layers=8",
+    "teacher_overrides.load_parameters_path={teacher}",
+  ],
 }
 BLOCKS = {
   "gemma3": [
@@ -102,12 +122,21 @@ def _runs(tmp_path, case: str, files: dict) -> list[dict]:
   return runs
 
 
+def _teacher(tmp_path) -> str:
+  """The distillation case's teacher: an 8-layer llama's params after one train.py step on 1 device."""
+  args = run_args(tmp_path, "teacher", 1, {}, *LLAMA, "base_num_decoder_layers=8", "enable_checkpointing=true")
+  result = run_python([TRAIN_PY, BASE_YML, *args], env_extra=cpu_env(1))
+  assert result.returncode == 0, result.stderr[-3000:]
+  return str(tmp_path / "teacher" / "checkpoints" / "0" / "items")
+
+
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
   """Each case's five runs in a child process of its own (a crash there, such as an XLA:CPU collective that times
   out, fails that case's cells only)."""
   tmp_path = tmp_path_factory.mktemp("interaction")
   files = write_data_files(tmp_path)
+  files["teacher"] = _teacher(tmp_path)
   merged = {}
   for case in CASES:
     runs_path, report_path = tmp_path / f"{case}.runs.json", tmp_path / f"{case}.report.json"

@@ -56,6 +56,7 @@ def build(
   abstract_state, state_shardings = train_state.get_abstract_state(model, tx, features, config, mesh)
   for feature in features:
     feature.bind_params(abstract_state.params)
+    feature.bind_state(abstract_state)
   if check_memory:
     check_state_fits(abstract_state, params_only, memory_limit_bytes)
   return TrainSetup(model, tx, features, abstract_state, state_shardings)

@@ -1,4 +1,4 @@
-"""Keys of base.yml's Checkpointing, Optimizer and LoRA sections."""
+"""Keys of base.yml's Checkpointing, Optimizer, LoRA and Distillation sections."""
 
 from MaxText.configuration.common_types import OPTIMIZERS
 from MaxText.configuration.config_keys import FRACTION, NON_NEGATIVE, POSITIVE, Key, On, Range
@@ -7,6 +7,7 @@ _DECAY = Range(0, 1, high_open=True)
 _CHECKPOINTS = On("enable_checkpointing", True)
 _LORA = On("enable_lora", True)
 _MUON = On("opt_type", "muon")
+_DISTILL = On("use_distillation", True)
 
 SECTIONS = {
   "Checkpointing": {
@@ -86,6 +87,23 @@ SECTIONS = {
       "QLoRA: the frozen base's dense kernels held as int8 or fp8 (per channel) or nf4 (blocks of 64); '': as is.",
       choices=("", "int8", "fp8", "nf4"),
       acts_with=_LORA,
+    ),
+  },
+  "Distillation": {
+    "use_distillation": Key("Train against a frozen teacher's logits (features/distillation.py); set teacher_overrides."),
+    "distill_alpha": Key(
+      "The soft term's weight: alpha x T^2 x KL(teacher || student) + (1 - alpha) x cross-entropy.",
+      range=FRACTION,
+      acts_with=_DISTILL,
+    ),
+    "distill_temperature": Key(
+      "T: both models' logits are divided by it before the KL (> 1 softens them).",
+      range=Range(0, low_open=True),
+      acts_with=_DISTILL,
+    ),
+    "teacher_overrides": Key(
+      "The teacher: model keys over the student's (model_name: that preset's) and its load_parameters_path.",
+      acts_with=_DISTILL,
     ),
   },
 }
