@@ -1,17 +1,16 @@
 """Every user mistake in the config or CLI: one line on stderr naming the key, exit status 2, no traceback.
 
-One case runs the real entry point in a process of its own, to check that line and status; the others call
-train.py's `main` in this process and check the one-line `UserError` it raises (which the entry point prints as that
-line). The checks happen before JAX is imported; the cases in NEEDS_DEVICES fail after the device lookup, still
-before any computation.
+One case runs the real entry point in a process of its own; the others run train.py's `main` in this process under
+the entry point's error handling (helpers.run_entry_point) and check the same line and status. The checks happen
+before JAX is imported; the cases in NEEDS_DEVICES fail after the device lookup, still before any computation.
 """
 
 import pytest
 
 from MaxText import train
-from MaxText.errors import ConfigError, UserError
+from MaxText.errors import ConfigError
 from MaxText.tests.helpers import REPO_ROOT as REPO
-from MaxText.tests.helpers import TEST_JAX_CACHE_DIR, TRAIN_PY, run_python, tiny_args, tiny_config
+from MaxText.tests.helpers import TEST_JAX_CACHE_DIR, TRAIN_PY, run_entry_point, run_python, tiny_args, tiny_config
 
 CASES = [
   # (CLI args after the config, extra env, text the error line must contain)
@@ -144,18 +143,16 @@ def _assert_one_line_error(result, expected: str):
 
 
 def _error_of(argv: list[str], tmp_path, monkeypatch, env=None) -> str:
-  """The one line that train.py would print for argv: its main's UserError, raised in this process."""
+  """The one line that train.py prints for argv (status 2, no traceback): its main run in this process under the
+  entry point's error handling (helpers.run_entry_point, which runs it from the checkout as the command does)."""
   for name, value in (env or {}).items():
     monkeypatch.setenv(name, value)
-  monkeypatch.chdir(REPO)  # as the entry point runs: relative paths from the checkout
   # A run directory made before the error goes under tmp_path, and the test cache stays the process's.
   in_tests = [f"base_output_directory={tmp_path}", f"jax_cache_dir={TEST_JAX_CACHE_DIR}"]
   in_tests = in_tests if len(argv) > 2 and "=" not in argv[1] else []
-  with pytest.raises(UserError) as error:
-    train.main([*argv, *in_tests])
-  message = str(error.value)
-  assert message and "\n" not in message, message
-  return message
+  result = run_entry_point(train.main, [*argv, *in_tests])
+  _assert_one_line_error(result, "")
+  return result.stderr.strip()
 
 
 def test_a_mistake_is_one_line_on_stderr_with_exit_status_2():
