@@ -24,10 +24,7 @@ from MaxText.errors import ConfigError
 # Families whose layers cannot go through the pipeline, and why (one line each).
 UNSUPPORTED_BLOCKS = {
   "gemma2": "its stack holds (local, global) layer pairs, not single layers",
-  "mixtral": "its MoE layers' routing statistics (for the load-balancing loss) are not collected through the pipeline",
-  "qwen3_moe": "its MoE layers' routing statistics (for the load-balancing loss) are not collected through the pipeline",
-  "deepseek": "its decoder is two stacks (dense and MoE layers) and its MoE layers' routing statistics are not "
-  "collected through the pipeline",
+  "deepseek": "its decoder is two stacks (dense and MoE layers), and the pipeline runs one",
 }
 
 
@@ -118,8 +115,6 @@ def resolve(values) -> "Schedule | None":
     )
   for key, value, why in (
     ("scan_layers", not values["scan_layers"], "the pipeline runs the scanned layer stack; use scan_layers=true"),
-    ("quantization", values["quantization"], "quantized layers are not pipelined yet; use quantization=''"),
-    ("numerics_debug_config", values["numerics_debug_config"], "the statistics are not collected through the pipeline"),
   ):
     if value:
       raise ConfigError(f"{key}={values[key]!s} with pipeline parallelism: {why}")

@@ -16,8 +16,7 @@ from MaxText.diagnostics import numerics_config, numerics_taps
 from MaxText.layers import layer_names
 
 METRICS_KEY = "numerics"
-_MIN = ("min", "amin_nonzero")
-_MAX = ("max", "amax")
+_MIN, _MAX = numerics_taps.MIN_REDUCTIONS, numerics_taps.MAX_REDUCTIONS
 _ORDER = {name: i for i, name in enumerate((*numerics_config.STATS, *numerics_config.FP8_STATS))}
 
 
@@ -64,23 +63,6 @@ def _safe_divide(x, n):
   return x / jnp.maximum(n, 1.0)
 
 
-def _combine_tensor(a: dict, b: dict) -> dict:
-  """The raw reductions of two microbatches' tensors as one tensor's (Chan et al.'s update for m2)."""
-  out = {}
-  for name, value in a.items():
-    if name in _MIN:
-      out[name] = jnp.minimum(value, b[name])
-    elif name in _MAX:
-      out[name] = jnp.maximum(value, b[name])
-    elif name == "m2":
-      n_a, n_b = a["count"], b["count"]
-      delta = _safe_divide(b["sum"], n_b) - _safe_divide(a["sum"], n_a)
-      out[name] = value + b[name] + jnp.square(delta) * _safe_divide(n_a * n_b, n_a + n_b)
-    else:
-      out[name] = value + b[name]
-  return out
-
-
 def combine(a: dict, b: dict) -> dict:
   """Two microbatches' reductions (as `reductions` returns them) as the whole batch's.
 
@@ -88,7 +70,8 @@ def combine(a: dict, b: dict) -> dict:
   """
   return {
     key: {
-      tensor: b[key][tensor] if tensor == "weight" else _combine_tensor(a[key][tensor], b[key][tensor]) for tensor in a[key]
+      tensor: b[key][tensor] if tensor == "weight" else numerics_taps.combine_reductions(a[key][tensor], b[key][tensor])
+      for tensor in a[key]
     }
     for key in a
   }

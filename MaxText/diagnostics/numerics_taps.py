@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from MaxText.layers import linears
+from MaxText.layers import linears, microbatch_combine
 
 COLLECTION = linears.TAP_COLLECTION
 SOWN = {"activation": "numerics_activation", "weight": "numerics_weight"}  # names in `intermediates`
@@ -50,6 +50,31 @@ REDUCTIONS = {
   "underflows": ("count", "underflows"),
   "overflows": ("count", "overflows"),
 }
+
+
+MIN_REDUCTIONS, MAX_REDUCTIONS = ("min", "amin_nonzero"), ("max", "amax")
+
+
+def _safe_divide(x, n):
+  return x / jnp.maximum(n, 1.0)
+
+
+def combine_reductions(a: dict, b: dict) -> dict:
+  """The raw reductions of two parts of a tensor (two microbatches') as the whole tensor's (Chan et al.'s update for
+  m2)."""
+  out = {}
+  for name, value in a.items():
+    if name in MIN_REDUCTIONS:
+      out[name] = jnp.minimum(value, b[name])
+    elif name in MAX_REDUCTIONS:
+      out[name] = jnp.maximum(value, b[name])
+    elif name == "m2":
+      n_a, n_b = a["count"], b["count"]
+      delta = _safe_divide(b["sum"], n_b) - _safe_divide(a["sum"], n_a)
+      out[name] = value + b[name] + jnp.square(delta) * _safe_divide(n_a * n_b, n_a + n_b)
+    else:
+      out[name] = value + b[name]
+  return out
 
 
 def reduce(x, reductions, fp8_dtype, scale=None, fp8_scale=None):
@@ -167,3 +192,22 @@ def dot_general(module, inputs, kernel, dimension_numbers, gemm=lax.dot_general,
     stats = (tap["gate"], tap["scale"], tap["stats"])
     out = _gradient_tap(out, *stats, gradient_scaling, tuple(tap["stats"]), gradient_scale_of)
   return out
+
+
+def _combine_taps(a: dict, b: dict) -> dict:
+  """Two microbatches' gradients of the taps' collection: each tensor's `stats` are its gradient's reductions (zero
+  for the activation and weight, which are sown); the gates and scales are not differentiated."""
+  if "stats" in a:
+    return {**a, "stats": combine_reductions(a["stats"], b["stats"])}
+  return {key: _combine_taps(a[key], b[key]) for key in a}
+
+
+def _combine_sown(a: tuple, b: tuple) -> tuple:
+  return tuple(combine_reductions(x, y) for x, y in zip(a, b))
+
+
+# A pipelined layer runs once per microbatch (layers/microbatch_combine.py): its activations' reductions and its
+# gradient taps combine as gradient accumulation combines them; its weight's are the same in every microbatch.
+microbatch_combine.register(COLLECTION, microbatch_combine.folded(_combine_taps))
+microbatch_combine.register(SOWN["activation"], microbatch_combine.folded(_combine_sown))
+microbatch_combine.register(SOWN["weight"], lambda stacked: jax.tree.map(lambda x: x[-1], stacked))

@@ -22,6 +22,7 @@ import numpy as np
 from MaxText import feature_protocol
 from MaxText.configuration import pipeline_schedule
 from MaxText.configuration.common_types import STACK_NAMES
+from MaxText.layers import models
 
 
 def _schedule(config):
@@ -40,11 +41,18 @@ def _reorder(order: tuple[int, ...], axis: int, sharding):
   return jax.jit(lambda x: jnp.take(x, jnp.asarray(order), axis=axis), out_shardings=sharding)
 
 
+def _layer_axis(path, x, scan_axis: int) -> int:
+  """The params (and their optimizer state) stack a stack's layers on param_scan_axis; the other model collections
+  (the fp8 state) on axis 0 (models.STACKED_COLLECTIONS)."""
+  names = {getattr(k, "key", getattr(k, "name", None)) for k in path}
+  return 0 if x.ndim < 2 or names & set(models.STACKED_COLLECTIONS) else scan_axis
+
+
 def _reordered(tree, order: tuple[int, ...], scan_axis: int):
   def one(path, x):
     if not _in_stack(path) or not hasattr(x, "sharding"):
       return x
-    return _reorder(order, scan_axis if x.ndim > 1 else 0, x.sharding)(x)
+    return _reorder(order, _layer_axis(path, x, scan_axis), x.sharding)(x)
 
   return jax.tree_util.tree_map_with_path(one, tree)
 

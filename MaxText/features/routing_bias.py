@@ -45,9 +45,9 @@ def loads(sown: dict) -> dict:
   found = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(sown)[0]:
     keys = _keys(path)
-    if moe.TOKENS_PER_EXPERT in keys:
-      owner = keys[1 : keys.index(moe.TOKENS_PER_EXPERT)]  # below "intermediates", down to the MoE block
-      found[owner + _BIAS] = leaf
+    if moe.ROW_CHOICES in keys:
+      owner = keys[1 : keys.index(moe.ROW_CHOICES)]  # below "intermediates", down to the MoE block
+      found[owner + _BIAS] = jnp.sum(leaf, axis=-2)  # the batch's rows summed: (E,), or (layers, E) when scanned
   return found
 
 

@@ -6,8 +6,8 @@ shared_experts x intermediate_dim, the shared experts, sees every token and is a
 
 Load balancing, per DeepSeek-V3: the router's gate/bias shifts only which experts are chosen. It is a param (so
 checkpoints hold it) that the optimizer must not update; the train step moves it with moe.update_routing_bias
-from the sown moe_tokens_per_expert. The sequence-wise balance loss (moe.sequence_balance_loss) reads the sown
-per-sequence statistics.
+from the sown per-row routing statistics (moe.sow_routing_statistics), which the sequence-wise balance loss
+(moe.sequence_balance_loss) reads too.
 """
 
 import functools
@@ -93,12 +93,7 @@ class DeepSeekMoeBlock(nn.Module):
       self.weight_dtype,
       name="gate",
     )(x)  # (B, T, E), (B, T, k), (B, T, k)
-    tokens_per_expert, prob_per_expert = moe.routing_statistics(probs, experts, segment_ids, self.num_experts)
-    seq_tokens_per_expert, seq_prob_per_expert = moe.sequence_statistics(probs, experts, segment_ids, self.num_experts)
-    self.sow("intermediates", moe.TOKENS_PER_EXPERT, tokens_per_expert)  # (E,): the bias update's load
-    self.sow("intermediates", moe.ROUTER_PROB_PER_EXPERT, prob_per_expert)
-    self.sow("intermediates", moe.SEQ_TOKENS_PER_EXPERT, seq_tokens_per_expert)  # (B, E): the sequence-wise loss
-    self.sow("intermediates", moe.SEQ_PROB_PER_EXPERT, seq_prob_per_expert)
+    moe.sow_routing_statistics(self, probs, experts, segment_ids, self.num_experts)  # the loads, the sequence loss
 
     y = moe.routed_experts(
       self,

@@ -56,10 +56,10 @@ class Gemm:
 
   def __call__(self, module, inputs, kernel, dimension_numbers):
     """The GEMM of the DenseGeneral `module`."""
-    gemm = functools.partial(quantizations.dot_general, module, self.quant)
+    gemm = functools.partial(quantizations.dot_general, module, self.quant, scope=self.scope)
     if self.tap is None:
       return gemm(inputs, kernel, dimension_numbers)
-    fp8_scales = functools.partial(quantizations.fp8_tap_scales, module, self.quant, inputs, kernel)
+    fp8_scales = functools.partial(quantizations.fp8_tap_scales, module, self.quant, inputs, kernel, self.scope)
     return self.tap(module, inputs, kernel, dimension_numbers, gemm, fp8_scales)
 
 

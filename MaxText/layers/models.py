@@ -58,6 +58,9 @@ STACKED_COLLECTIONS = {
   quantizations.TABLE_COLLECTION: 0,
 }
 
+# The collections a pipelined stack takes with its params (the others are outputs: sown statistics, KV caches).
+_INPUTS = ("params", linears.TAP_COLLECTION, quantizations.FP8_COLLECTION)
+
 _cp = jax.checkpoint_policies
 _QKV = ("query_proj", "value_proj", "key_proj", "qkv_proj")
 # What the backward pass may keep; everything else is recomputed. "none" turns remat off.
@@ -193,11 +196,7 @@ class Decoder(nn.Module):
     block = self._block_stack(stack, cfg.scan_layers)
     schedule = pipeline_schedule.resolve(cfg.get_keys())
     if schedule is not None and not self.is_initializing():
-      gemm = dataclasses.replace(self.gemm, scope=(*self.path, stack))  # the block's params sit under decoder/<stack>
-      layer = self._block_stack(stack, scanned=False)(config=cfg, gemm=gemm, parent=None)
-      rng = None if deterministic else self.make_rng("dropout")
-      params = self.variables["params"][stack]
-      return pipeline.run(schedule, layer, params, y, positions, segment_ids, deterministic, rng, cfg)
+      return self._pipelined(schedule, stack, y, positions, segment_ids, deterministic)
     if not cfg.scan_layers:
       for i in range(blocks):
         y = block(config=cfg, gemm=self.gemm, name=f"{stack}_{i}")(y, positions, segment_ids, deterministic, offset + i)
@@ -210,13 +209,35 @@ class Decoder(nn.Module):
       length=blocks,
       metadata_params={nn.PARTITION_NAME: "layers"},
     )
-    tables = None
-    if not self.is_initializing() and stack == "layers":  # per-layer recipes: the one-stack families
-      tables = quantizations.layer_tables(self.gemm.quant, self.variables["params"]["layers"])
+    tables = None if self.is_initializing() else self._recipe_tables(stack)
     if tables is not None:  # each layer's quantization recipe, which its dense modules switch on
       scanned = nn.map_variables(scanned, quantizations.TABLE_COLLECTION, trans_in_fn=lambda _: tables, init=False)
     indices = offset + jnp.arange(blocks, dtype=jnp.int32)
     y, _ = scanned(config=cfg, gemm=self.gemm, name=stack)(y, positions, segment_ids, deterministic, indices)
+    return y
+
+  def _recipe_tables(self, stack: str):
+    """Each layer's quantization recipe, which its dense modules switch on (the one-stack families); None: none."""
+    if stack != "layers":
+      return None
+    return quantizations.layer_tables(self.gemm.quant, self.variables["params"]["layers"])
+
+  def _pipelined(self, schedule, stack: str, y, positions, segment_ids, deterministic: bool):
+    """The stack through the pipeline (pipeline.py), its model collections with it, its statistics sown as the
+    scanned stack sows them."""
+    cfg = self.config
+    gemm = dataclasses.replace(self.gemm, scope=(*self.path, stack))  # the block's params sit under decoder/<stack>
+    layer = self._block_stack(stack, scanned=False)(config=cfg, gemm=gemm, parent=None)
+    rng = None if deterministic else self.make_rng("dropout")
+    variables = {name: tree[stack] for name, tree in self.variables.items() if name in _INPUTS and stack in tree}
+    tables = self._recipe_tables(stack)
+    if tables is not None:  # made in the model's layer order; the pipelined params are in memory order
+      order = jnp.asarray(schedule.memory_order())
+      variables.update(jax.tree.map(lambda t: t[order], tables))
+    sow = self.is_mutable_collection("intermediates")
+    y, sown = pipeline.run(schedule, layer, variables, y, positions, segment_ids, deterministic, rng, cfg, sow)
+    if sown:
+      self.put_variable("intermediates", stack, sown)
     return y
 
   def _output_head(self):

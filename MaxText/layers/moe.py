@@ -32,15 +32,17 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from MaxText.layers import initializers, mesh_specs, moe_dispatch
+from MaxText.layers import initializers, mesh_specs, microbatch_combine, moe_dispatch
 from MaxText.layers.linears import ACTIVATIONS, DenseGeneral
 
-# Names of the per-layer routing statistics sown into the "intermediates" collection.
-TOKENS_PER_EXPERT = "moe_tokens_per_expert"
-ROUTER_PROB_PER_EXPERT = "moe_router_prob_per_expert"
-# Per sequence (batch row), for DeepSeek-V3's sequence-wise balance loss: (B, E) each.
-SEQ_TOKENS_PER_EXPERT = "moe_seq_tokens_per_expert"
-SEQ_PROB_PER_EXPERT = "moe_seq_prob_per_expert"
+# Names of the per-layer routing statistics sown into the "intermediates" collection, each per batch row (sums over
+# the row's real tokens), so that the whole batch's, a sequence's and any split of the batch's (the pipeline's
+# microbatches: their rows put back, microbatch_combine.rows) follow from them exactly.
+ROW_CHOICES = "moe_choices_per_row"  # (B, E): routed choices of each expert (sums to k x the row's tokens)
+ROW_PROBS = "moe_router_prob_per_row"  # (B, E): the router probabilities (scores) given each expert
+ROW_TOKENS = "moe_real_tokens_per_row"  # (B,): the row's real tokens
+for _name in (ROW_CHOICES, ROW_PROBS, ROW_TOKENS):
+  microbatch_combine.register(_name, microbatch_combine.rows)
 
 
 def route(router_logits, num_experts_per_tok: int):
@@ -118,9 +120,8 @@ def update_routing_bias(bias, tokens_per_expert, rate: float):
   Args:
     bias: (..., E) the routers' gate/bias (one layer's, or layers stacked on leading axes: scanned layers
       stack it as (E, L) under param_scan_axis=1, so pass its transpose).
-    tokens_per_expert: (..., E) the step's sown `moe_tokens_per_expert` (TOKENS_PER_EXPERT): each expert's
-      routed choices per real token (sums to k over experts). Only its sign against the mean matters, so raw
-      token counts (any positive multiple) give the same update.
+    tokens_per_expert: (..., E) each expert's routed choices in the step (from the sown ROW_CHOICES). Only its
+      sign against the mean matters, so raw counts and fractions (any positive multiple) give the same update.
     rate: the bias update speed gamma (DeepSeek-V3: 0.001, then 0 for the last 500B tokens).
   Returns:
     The new bias, in bias's dtype.
@@ -292,43 +293,37 @@ def routed_experts(
   return checkpoint_name(y, "mlpwo")
 
 
-def routing_statistics(probs, experts, segment_ids, num_experts: int):
-  """Per-expert fraction of routed choices (sums to k) and mean router probability, over real tokens.
+def sow_routing_statistics(module: nn.Module, probs, experts, segment_ids, num_experts: int) -> None:
+  """Sows the routing statistics of each batch row (ROW_CHOICES, ROW_PROBS, ROW_TOKENS) over its real tokens.
 
   Args:
-    probs: (B, T, E) router softmax. experts: (B, T, k). segment_ids: (B, T), 0 = padding (not counted).
-  Returns:
-    tokens_per_expert (E,), router_prob_per_expert (E,), both float32.
+    probs: (B, T, E) router probabilities (softmax, or DeepSeek's normalised scores). experts: (B, T, k).
+    segment_ids: (B, T), 0 = padding (not counted).
   """
   mask = (segment_ids != 0).astype(jnp.float32)[..., None]  # (B, T, 1)
-  count = jnp.maximum(jnp.sum(mask), 1.0)
   chosen = jnp.sum(jax.nn.one_hot(experts, num_experts, dtype=jnp.float32), axis=-2)  # (B, T, E)
-  return jnp.sum(chosen * mask, axis=(0, 1)) / count, jnp.sum(probs * mask, axis=(0, 1)) / count
+  module.sow("intermediates", ROW_CHOICES, jnp.sum(chosen * mask, axis=1))
+  module.sow("intermediates", ROW_PROBS, jnp.sum(probs.astype(jnp.float32) * mask, axis=1))
+  module.sow("intermediates", ROW_TOKENS, jnp.sum(mask, axis=(1, 2)))
 
 
-def sequence_statistics(probs, experts, segment_ids, num_experts: int):
-  """routing_statistics per sequence (batch row): the inputs of DeepSeek-V3's sequence-wise balance loss.
-
-  A packed row is one sequence, as in DeepSeek-V3's training (no masking across packed documents).
-
-  Args:
-    probs: (B, T, E) normalised scores. experts: (B, T, k). segment_ids: (B, T), 0 = padding (not counted).
-  Returns:
-    tokens_per_expert (B, E) (sums to k over experts; 0 in a row of padding only), prob_per_expert (B, E).
-  """
-  mask = (segment_ids != 0).astype(jnp.float32)[..., None]  # (B, T, 1)
-  count = jnp.maximum(jnp.sum(mask, axis=1), 1.0)  # (B, 1)
-  chosen = jnp.sum(jax.nn.one_hot(experts, num_experts, dtype=jnp.float32), axis=-2)  # (B, T, E)
-  return jnp.sum(chosen * mask, axis=1) / count, jnp.sum(probs * mask, axis=1) / count
-
-
-def _sown(intermediates, name: str, num_experts: int) -> list:
-  """Every layer's `name` statistics as (rows, E) arrays (scanned layers stack theirs on a leading axis)."""
+def _sown_rows(intermediates) -> list[tuple]:
+  """Every MoE block's sown (choices, probs, tokens): (..., B, E), (..., B, E), (..., B), scanned layers stacked on
+  leading axes."""
   found = []
-  for path, leaf in jax.tree_util.tree_flatten_with_path(intermediates)[0]:
-    if name in [getattr(p, "key", None) for p in path]:
-      found.append(leaf.reshape(-1, num_experts))
+  if isinstance(intermediates, dict):
+    if ROW_CHOICES in intermediates:
+      found.append(tuple(intermediates[name][0] for name in (ROW_CHOICES, ROW_PROBS, ROW_TOKENS)))
+    for value in intermediates.values():
+      found.extend(_sown_rows(value))
   return found
+
+
+def batch_routing_statistics(choices, probs, tokens):
+  """A layer's per-row statistics -> per-expert fraction of routed choices (sums to k) and mean router probability,
+  over the batch's real tokens: (..., E) each."""
+  count = jnp.maximum(jnp.sum(tokens, axis=-1), 1.0)[..., None]
+  return jnp.sum(choices, axis=-2) / count, jnp.sum(probs, axis=-2) / count
 
 
 def load_balancing_loss(intermediates, num_experts: int):
@@ -338,27 +333,32 @@ def load_balancing_loss(intermediates, num_experts: int):
   concatenated: loss = num_experts * sum_e tokens_per_expert[e] * router_prob_per_expert[e]
   (num_experts_per_tok when perfectly balanced).
   """
-  tokens, probs = (_sown(intermediates, name, num_experts) for name in (TOKENS_PER_EXPERT, ROUTER_PROB_PER_EXPERT))
-  if not tokens:
+  layers = [batch_routing_statistics(*rows) for rows in _sown_rows(intermediates)]
+  if not layers:
     return jnp.zeros((), jnp.float32)
-  return num_experts * jnp.sum(jnp.mean(jnp.concatenate(tokens), axis=0) * jnp.mean(jnp.concatenate(probs), axis=0))
+  tokens = jnp.concatenate([t.reshape(-1, num_experts) for t, _ in layers])  # (layers, E)
+  probs = jnp.concatenate([p.reshape(-1, num_experts) for _, p in layers])
+  return num_experts * jnp.sum(jnp.mean(tokens, axis=0) * jnp.mean(probs, axis=0))
 
 
 def sequence_balance_loss(intermediates, num_experts: int, num_experts_per_tok: int):
-  """DeepSeek-V3's sequence-wise balance loss (eq. 17-20) from the per-sequence statistics every layer sowed.
+  """DeepSeek-V3's sequence-wise balance loss (eq. 17-20) from the per-row statistics every layer sowed.
 
-  Per sequence of T real tokens: f_i = E / (k T) x (tokens choosing expert i), P_i = mean over the tokens of
-  s_i / sum_j s_j; the loss sum_i f_i P_i is averaged over sequences with real tokens and over layers. 1.0 at
-  perfect balance (f_i = 1, P_i = 1/E), E/k at the worst; 0.0 without such layers. The caller multiplies it
-  by the balance factor alpha (load_balance_loss_weight).
+  A packed row is one sequence, as in DeepSeek-V3's training (no masking across packed documents). Per sequence
+  of T real tokens: f_i = E / (k T) x (tokens choosing expert i), P_i = mean over the tokens of s_i / sum_j s_j;
+  the loss sum_i f_i P_i is averaged over sequences with real tokens and over layers. 1.0 at perfect balance
+  (f_i = 1, P_i = 1/E), E/k at the worst; 0.0 without such layers. The caller multiplies it by the balance factor
+  alpha (load_balance_loss_weight).
   """
-  tokens = _sown(intermediates, SEQ_TOKENS_PER_EXPERT, num_experts)
-  if not tokens:
+  layers = _sown_rows(intermediates)
+  if not layers:
     return jnp.zeros((), jnp.float32)
-  tokens = jnp.concatenate(tokens)  # (layers x sequences, E): fraction of the sequence's tokens choosing i
-  probs = jnp.concatenate(_sown(intermediates, SEQ_PROB_PER_EXPERT, num_experts))
-  per_sequence = num_experts / num_experts_per_tok * jnp.sum(tokens * probs, axis=-1)
-  real = (jnp.sum(tokens, axis=-1) > 0).astype(jnp.float32)  # rows of padding only are left out
+  choices = jnp.concatenate([c.reshape(-1, num_experts) for c, _, _ in layers])  # (layers x sequences, E)
+  probs = jnp.concatenate([p.reshape(-1, num_experts) for _, p, _ in layers])
+  tokens = jnp.concatenate([t.reshape(-1) for _, _, t in layers])
+  # f_i P_i = E / (k T) x choices_i x probs_i / T
+  per_sequence = num_experts / num_experts_per_tok * jnp.sum(choices * probs, axis=-1) / jnp.maximum(tokens, 1.0) ** 2
+  real = (tokens > 0).astype(jnp.float32)  # rows of padding only are left out
   return jnp.sum(per_sequence * real) / jnp.maximum(jnp.sum(real), 1.0)
 
 
@@ -382,9 +382,7 @@ class MoeBlock(nn.Module):
       self.num_experts, ("embed", None), dtype="float32", weight_dtype=self.weight_dtype, name="gate"
     )(x)  # (B, T, E)
     probs, weights, experts = route(router_logits, self.num_experts_per_tok)
-    tokens_per_expert, prob_per_expert = routing_statistics(probs, experts, segment_ids, self.num_experts)
-    self.sow("intermediates", TOKENS_PER_EXPERT, tokens_per_expert)
-    self.sow("intermediates", ROUTER_PROB_PER_EXPERT, prob_per_expert)
+    sow_routing_statistics(self, probs, experts, segment_ids, self.num_experts)
     return routed_experts(
       self,
       x,

@@ -10,12 +10,15 @@ The layers are the family's own block, applied functionally to the stack's param
 Schedule.memory_order, so that a reshape gives each stage its groups without moving any weight).
 """
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from MaxText.configuration.pipeline_schedule import Schedule
+from MaxText.layers import microbatch_combine
 
 STATE_AXES = ("activation_stage", "activation_batch", "activation_length", "activation_embed")
 MICROBATCH_AXES = (None, "activation_batch", "activation_length", "activation_embed")
@@ -53,11 +56,6 @@ def _microbatches(a, count: int):
   return a.reshape(a.shape[0] // count, count, *a.shape[1:]).swapaxes(0, 1)
 
 
-def _rows(a):
-  """The inverse of _microbatches: (count, B / count, ...) -> (B, ...)."""
-  return a.swapaxes(0, 1).reshape(a.shape[0] * a.shape[1], *a.shape[2:])
-
-
 def _rules_without(rules, drop: tuple[str, ...]):
   """Logical axis rules with the mesh axes `drop` taken out of every target."""
   out = []
@@ -88,51 +86,105 @@ def _gathered_over_fsdp(pipe, layer, sample):
   )
 
 
-def run(schedule: Schedule, layer, params, x, positions, segment_ids, deterministic: bool, rng, config):
+def join_stack(pipelined, after, schedule: Schedule):
+  """The inverse of split_stack for trees stacked on axis 0: [stages, repeats, layers_per_stage, ...] and
+  [layers after, ...] (or None) -> [layers, ...] in memory order."""
+
+  def one(p, a=None):
+    p = p.reshape(schedule.stages, -1, *p.shape[3:])
+    if a is not None:
+      p = jnp.concatenate([p, a.reshape(schedule.stages, -1, *a.shape[1:])], axis=1)
+    return p.reshape(-1, *p.shape[2:])
+
+  return jax.tree.map(one, pipelined) if after is None else jax.tree.map(one, pipelined, after)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _per_use(tree, count: int, rule):
+  """tree's leaves ([stages, repeats, layers_per_stage, ...]) with a copy per microbatch, and one for the bubbles'
+  work items, on axis 3. The copies' gradients combine by `rule` (microbatch_combine), not by the sum a broadcast's
+  gradient would take: e.g. fp8's new amax history is the largest of the microbatches'."""
+  return jax.tree.map(lambda x: jnp.broadcast_to(x[:, :, :, None], (*x.shape[:3], count + 1, *x.shape[3:])), tree)
+
+
+def _per_use_fwd(tree, count, rule):
+  return _per_use(tree, count, rule), None
+
+
+def _per_use_bwd(count, rule, _, grads):
+  layers = jax.tree.map(lambda g: g.reshape(-1, *g.shape[3:])[:, :count], grads)  # the bubbles' copy dropped
+  combined = jax.vmap(rule)(layers)  # each layer's microbatches
+  return (jax.tree.map(lambda c, g: c.reshape(*g.shape[:3], *c.shape[1:]), combined, grads),)
+
+
+_per_use.defvjp(_per_use_fwd, _per_use_bwd)
+
+
+def run(schedule: Schedule, layer, variables: dict, x, positions, segment_ids, deterministic: bool, rng, config, sow):
   """The stack's layers on x (B, T, E): the pipelined ones, then those after them.
 
   Args:
     schedule: the run's pipeline_schedule.Schedule.
     layer: the family's block, unbound (parent=None), applied as
-      layer.apply({"params": p}, x, positions, segment_ids, deterministic, layer_index, rngs=...).
-    params: the stack's params in memory order (Schedule.memory_order), stacked on config.param_scan_axis.
+      layer.apply(variables, x, positions, segment_ids, deterministic, layer_index, rngs=...).
+    variables: the stack's model collections, each with its layers in memory order (Schedule.memory_order): the
+      params stacked on config.param_scan_axis, the others (fp8 state, quantization recipes, numerics taps) on
+      axis 0. A collection with a microbatch_combine rule gets a copy per microbatch.
     rng: the dropout key (None when deterministic).
     config: the run's Config (param_scan_axis, scan_pipeline_iterations, pipeline_fsdp_ag_once).
+    sow: whether the layers' sown `intermediates` are collected.
+  Returns:
+    (y, sown): sown is the layers' `intermediates` as the scanned stack sows them (stacked on axis 0, memory order),
+    each statistic combined over the microbatches by its microbatch_combine rule; None when not sow.
   """
+  params = variables["params"]
   pipe, after = split_stack(params, schedule, config.param_scan_axis)
+  others = {name: split_stack(tree, schedule, 0) for name, tree in variables.items() if name != "params"}
   rng = jax.random.PRNGKey(0) if rng is None else rng
   if config.pipeline_fsdp_ag_once:
     rows = x.shape[0] // schedule.microbatches
     sample = (x[:rows], positions[:rows], segment_ids[:rows], deterministic, 0)
     pipe = _gathered_over_fsdp(pipe, layer, sample)
-  y = _pipeline(schedule, layer, pipe, x, positions, segment_ids, deterministic, rng, config.scan_pipeline_iterations)
+  pipe = {"params": pipe}
+  for name, (tree, _) in others.items():
+    rule = microbatch_combine.rule(name)
+    pipe[name] = tree if rule is None else _per_use(tree, schedule.microbatches, rule)
+  inputs = (x, positions, segment_ids, deterministic, rng)
+  y, sown = _pipeline(schedule, layer, pipe, *inputs, config.scan_pipeline_iterations, sow)
   if schedule.pipelined_layers == schedule.num_layers:
-    return y
+    return y, None if sown is None else join_stack(sown, None, schedule)
+  after = {"params": after, **{name: tree for name, (_, tree) in others.items()}}
   rng = jax.random.fold_in(rng, schedule.iterations)  # no iteration of the pipeline has this key
   with nn.logical_axis_rules(_stage_as_data(nn.get_logical_axis_rules())):
-    return _layers_after(schedule, layer, after, y, positions, segment_ids, deterministic, rng)
+    y, sown_after = _layers_after(schedule, layer, after, y, positions, segment_ids, deterministic, rng, sow)
+  return y, None if sown is None else join_stack(sown, sown_after, schedule)
 
 
-def _apply_layers(layer, weights, x, positions, segment_ids, deterministic: bool, indices, rng):
-  """x through the layers whose params are stacked on axis 0 of `weights`, with their model indices."""
+def _apply_layers(layer, variables, x, positions, segment_ids, deterministic: bool, indices, rng, sow: bool):
+  """x through the layers whose collections are stacked on axis 0 of `variables`, with their model indices:
+  (y, each layer's sown intermediates stacked on axis 0, or None)."""
 
-  def one(h, weights_and_index):
-    w, index = weights_and_index
+  def one(h, variables_and_index):
+    v, index = variables_and_index
     rngs = {} if deterministic else {"dropout": jax.random.fold_in(rng, index)}
-    return layer.apply({"params": w}, h, positions, segment_ids, deterministic, index, rngs=rngs), None
+    if not sow:
+      return layer.apply(v, h, positions, segment_ids, deterministic, index, rngs=rngs), None
+    h, state = layer.apply(v, h, positions, segment_ids, deterministic, index, rngs=rngs, mutable=["intermediates"])
+    return h, state.get("intermediates", {})
 
-  return jax.lax.scan(one, x, (weights, indices))[0]
+  return jax.lax.scan(one, x, (variables, indices))
 
 
-def _layers_after(schedule: Schedule, layer, after, x, positions, segment_ids, deterministic: bool, rng):
+def _layers_after(schedule: Schedule, layer, after, x, positions, segment_ids, deterministic: bool, rng, sow: bool):
   """The layers after the pipelined ones, on every stage, the batch split over stage too."""
   x = nn.with_logical_constraint(x, MICROBATCH_AXES[1:])
   indices = schedule.pipelined_layers + jnp.arange(schedule.num_layers - schedule.pipelined_layers)
-  return _apply_layers(layer, after, x, positions, segment_ids, deterministic, indices, rng)
+  return _apply_layers(layer, after, x, positions, segment_ids, deterministic, indices, rng, sow)
 
 
-def _pipeline(schedule: Schedule, layer, pipe, x, positions, segment_ids, deterministic: bool, rng, scanned: bool):
-  """The pipelined layers on x (B, T, E), as schedule says (see pipeline_schedule's doc for the work items)."""
+def _pipeline(schedule: Schedule, layer, pipe, x, positions, segment_ids, deterministic: bool, rng, scanned, sow):
+  """The pipelined layers on x (B, T, E), as schedule says (see pipeline_schedule's doc for the work items): (y, the
+  sown intermediates as [stages, repeats, layers_per_stage, ...], combined over microbatches, or None)."""
   stages, micro, repeats, delay = schedule.stages, schedule.microbatches, schedule.repeats, schedule.delay
   per_stage = schedule.layers_per_stage
   # The embedding splits the rows over the batch axes and then stage (base.yml puts stage last, so a device's rows
@@ -142,10 +194,22 @@ def _pipeline(schedule: Schedule, layer, pipe, x, positions, segment_ids, determ
   inputs = nn.with_logical_constraint(_microbatches(x, micro), MICROBATCH_AXES)
   positions, segment_ids = (_microbatches(a, micro) for a in (positions, segment_ids))
   stage_ids = jnp.arange(stages)
+  per_use = {name for name in pipe if name != "params" and microbatch_combine.rule(name) is not None}
 
-  def stage(weights, h, pos, seg, repeat, stage_id, key):
+  def stage(variables, h, pos, seg, repeat, item, stage_id, key, sown):
+    """One stage's work item `item` (a bubble when outside [0, micro x repeats)): its layers' output, and its sown
+    buffer with their statistics filed under (repeat, microbatch)."""
+    valid = (item >= 0) & (item < micro * repeats)
+    slot = jnp.where(valid, item % micro, micro)  # the per-use collections' copy: the bubbles have their own
+    variables = {
+      name: jax.tree.map(lambda w: w[:, slot], tree) if name in per_use else tree for name, tree in variables.items()
+    }
     indices = (repeat * stages + stage_id) * per_stage + jnp.arange(per_stage)
-    return _apply_layers(layer, weights, h, pos, seg, deterministic, indices, key)
+    y, new = _apply_layers(layer, variables, h, pos, seg, deterministic, indices, key, sow)
+    if sow:
+      mb = item % micro
+      sown = jax.tree.map(lambda b, n: b.at[repeat, :, mb].set(jnp.where(valid, n, b[repeat, :, mb])), sown, new)
+    return y, sown
 
   is_first = (stage_ids == 0)[:, None, None, None]
 
@@ -159,7 +223,8 @@ def _pipeline(schedule: Schedule, layer, pipe, x, positions, segment_ids, determ
     return nn.with_logical_constraint(buffer, BUFFER_AXES)
 
   def iteration(carry, t):
-    history, buffer = carry  # history[k]: the stages' outputs k + 1 iterations ago; buffer: (stages, micro, rows, T, E)
+    # history[k]: the stages' outputs k + 1 iterations ago; buffer: (stages, micro, rows, T, E); sown: per stage
+    history, buffer, sown = carry
     shifted = jnp.roll(history[-1], 1, axis=0)  # stage s receives stage s - 1's output, stage 0 the last stage's
     buffer = arrive(buffer, shifted, t - delay * stages)  # shifted[0] finished work item t - delay x stages
     # Stage 0 starts work item t: a new microbatch in the first repeat, else the microbatch's previous repeat.
@@ -171,20 +236,47 @@ def _pipeline(schedule: Schedule, layer, pipe, x, positions, segment_ids, determ
     repeat = jnp.clip(items // micro, 0, repeats - 1)
     weights = jax.tree.map(lambda w: jax.vmap(lambda w_s, r: w_s[r])(w, repeat), pipe)
     keys = jax.random.split(jax.random.fold_in(rng, t), stages)
-    args = (weights, stage_in, positions[items % micro], segment_ids[items % micro], repeat, stage_ids, keys)
-    out = nn.with_logical_constraint(jax.vmap(stage, spmd_axis_name="stage")(*args), STATE_AXES)
-    return ((out,) + history[:-1], buffer), None
+    args = (weights, stage_in, positions[items % micro], segment_ids[items % micro], repeat, items, stage_ids, keys)
+    out, sown = jax.vmap(stage, spmd_axis_name="stage")(*args, sown)
+    out = nn.with_logical_constraint(out, STATE_AXES)
+    return ((out,) + history[:-1], buffer, sown), None
 
   state = nn.with_logical_constraint(jnp.zeros((stages, *inputs.shape[1:]), x.dtype), STATE_AXES)
   buffer = nn.with_logical_constraint(jnp.zeros((stages, *inputs.shape), x.dtype), BUFFER_AXES)
-  carry = ((state,) * delay, buffer)
+  sown = _sown_buffer(schedule, layer, pipe, per_use, inputs, positions, segment_ids, sow)
+  sow = sown is not None
+  carry = ((state,) * delay, buffer, sown)
   if scanned:
     carry, _ = jax.lax.scan(iteration, carry, jnp.arange(schedule.iterations))
   else:
     for t in range(schedule.iterations):
       carry, _ = iteration(carry, jnp.int32(t))
-  history, buffer = carry
+  history, buffer, sown = carry
   for k in range(delay):  # the last work items, which no iteration has taken off the last stage yet
     buffer = arrive(buffer, jnp.roll(history[k], 1, axis=0), jnp.int32(micro * repeats - 1 - k))
   outputs = nn.with_logical_constraint(buffer[0], MICROBATCH_AXES)  # stage 0's, on every stage
-  return nn.with_logical_constraint(_rows(outputs), EMBEDDING_AXES)
+  y = nn.with_logical_constraint(microbatch_combine.rows(outputs), EMBEDDING_AXES)
+  if sown is None:
+    return y, None
+  # [stages, repeats, per_stage, micro, ...] -> each layer's microbatches combined by their rules
+  layers = jax.tree.map(lambda b: b.reshape(-1, *b.shape[3:]), sown)
+  combined = jax.vmap(microbatch_combine.combined)(layers)
+  return y, jax.tree.map(lambda c: c.reshape(stages, repeats, per_stage, *c.shape[1:]), combined)
+
+
+def _sown_buffer(schedule: Schedule, layer, pipe, per_use, inputs, positions, segment_ids, sow: bool):
+  """Zeros for every stage's sown statistics: [stages, repeats, layers_per_stage, microbatches, ...]; None: none."""
+  if not sow:
+    return None
+
+  def one_layer():
+    lead = {name: (0, 0, 0, 0) if name in per_use else (0, 0, 0) for name in pipe}
+    variables = {name: jax.tree.map(lambda w, i=lead[name]: w[i], tree) for name, tree in pipe.items()}
+    args = (inputs[0], positions[0], segment_ids[0], True, 0)
+    return layer.apply(variables, *args, mutable=["intermediates"])[1].get("intermediates", {})
+
+  shapes = jax.eval_shape(one_layer)
+  if not jax.tree.leaves(shapes):
+    return None
+  lead = (schedule.stages, schedule.repeats, schedule.layers_per_stage, schedule.microbatches)
+  return jax.tree.map(lambda s: jnp.zeros((*lead, *s.shape), s.dtype), shapes)

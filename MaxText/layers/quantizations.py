@@ -38,10 +38,14 @@ from jax import lax
 
 from MaxText.configuration import common_types
 from MaxText.errors import UserError
-from MaxText.layers import layer_names, quant_rules
+from MaxText.layers import layer_names, microbatch_combine, quant_rules
 
 FP8_COLLECTION = "fp8_meta"
 TABLE_COLLECTION = "quantization"
+
+# The fp8 state's "gradient" is its new value (_fp8_dot's VJP): over microbatches, the largest amax seen (the
+# whole batch's), as gradient accumulation combines it (features/quantization.py).
+microbatch_combine.register(FP8_COLLECTION, microbatch_combine.folded(lambda a, b: jax.tree.map(jnp.maximum, a, b)))
 GEMMS = common_types.GEMMS  # fprop, dgrad, wgrad
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 # One fp8 dense layer's state, per operand: the delayed scale and the amax of the last steps.
@@ -320,9 +324,9 @@ def _stateless_fp8(recipe: Recipe, length: int):
   return dataclasses.replace(recipe, current=(True, True, True)), meta
 
 
-def _layer(module, quant: Quantization):
+def _layer(module, quant: Quantization, path: tuple[str, ...]):
   """(this module's distinct recipes, its fp8 state or None, the index of this layer's recipe or None)."""
-  distinct, _ = quant.layer_recipes(module.path)
+  distinct, _ = quant.layer_recipes(path)
   meta = _fp8_meta(module, quant) if quant.fp8 else None
   if quant.fp8 and meta is None:
     pairs = [_stateless_fp8(r, quant.amax_history_length) for r in distinct]
@@ -331,7 +335,7 @@ def _layer(module, quant: Quantization):
   if len(distinct) > 1:
     index = module.get_variable(TABLE_COLLECTION, "recipe")
     if index is None and not module.is_initializing():  # init needs the shapes only
-      raise ValueError(f"{'/'.join(module.path)}: its layers are quantized differently but no recipe table was given")
+      raise ValueError(f"{'/'.join(path)}: its layers are quantized differently but no recipe table was given")
   return distinct, meta, index
 
 
@@ -340,23 +344,24 @@ def _per_layer(distinct, index, values):
   return values[0] if index is None else jnp.asarray(values)[index]
 
 
-def _check_tiles(module, distinct, size: int) -> None:
+def _check_tiles(path: tuple[str, ...], distinct, size: int) -> None:
   """A quant_cfg_path tile_size must divide the kernel's innermost contracting dimension (`size`), which it tiles."""
   for recipe in distinct:
     tile = recipe.weight.tile_size
     if recipe.low[0] and tile > 0 and size % tile:
       raise UserError(
-        f"quant_cfg_path: tile_size={tile} for {'/'.join(module.path)}, whose kernel's innermost contracting "
+        f"quant_cfg_path: tile_size={tile} for {'/'.join(path)}, whose kernel's innermost contracting "
         f"dimension is {size}: choose a divisor of {size}, or -1 (one scale per channel)"
       )
 
 
-def dot_general(module, quant: Quantization | None, x, kernel, dims):
+def dot_general(module, quant: Quantization | None, x, kernel, dims, scope: tuple[str, ...] = ()):
   """The GEMM of the DenseGeneral `module`: quantized as `quant` says for this layer, else lax.dot_general."""
-  if quant is None or not quant.quantizes(module.path):
+  path = scope + tuple(module.path)
+  if quant is None or not quant.quantizes(path):
     return lax.dot_general(x, kernel, dims)
-  distinct, meta, index = _layer(module, quant)
-  _check_tiles(module, distinct, kernel.shape[dims[0][1][-1]])
+  distinct, meta, index = _layer(module, quant, path)
+  _check_tiles(path, distinct, kernel.shape[dims[0][1][-1]])
   branches = [functools.partial(_gemm, quant, recipe, meta, dims=dims) for recipe in distinct]
   if index is None:
     return branches[0](x, kernel)
@@ -371,12 +376,13 @@ def gradient_fp8_scale(g, scaling):
   return jnp.where(current > 0, own, delayed)
 
 
-def fp8_tap_scales(module, quant: Quantization | None, x, kernel):
+def fp8_tap_scales(module, quant: Quantization | None, x, kernel, scope: tuple[str, ...] = ()):
   """The scales that this layer's fp8 GEMMs divide their operands by, for the FP8 statistics of numerics_taps:
   (fprop's {"activation": scale, "weight": scale}, dgrad's gradient scaling, gradient_fp8_scale); None unless fp8."""
-  if quant is None or not quant.fp8 or not quant.quantizes(module.path):
+  path = scope + tuple(module.path)
+  if quant is None or not quant.fp8 or not quant.quantizes(path):
     return None
-  distinct, meta, index = _layer(module, quant)
+  distinct, meta, index = _layer(module, quant, path)
 
   def scale(tensor, value, gemm, recipe):
     fmt = FP8_FORMATS[tensor]

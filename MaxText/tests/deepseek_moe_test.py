@@ -173,7 +173,8 @@ def test_update_routing_bias_moves_by_exactly_the_rate():
   # From the block's sown statistics: the most loaded expert's bias falls, the least loaded one's rises.
   variables, x = _variables()
   _, state = _block().apply(variables, x, jnp.ones(x.shape[:2], jnp.int32), mutable=["intermediates"])
-  (tokens,) = state["intermediates"][moe.TOKENS_PER_EXPERT]
+  sown = state["intermediates"]
+  tokens = sown[moe.ROW_CHOICES][0].sum(0) / sown[moe.ROW_TOKENS][0].sum()  # each expert's choices per real token
   np.testing.assert_allclose(tokens.sum(), K, rtol=1e-6)
   bias = variables["params"]["gate"]["bias"]
   step = np.asarray(moe.update_routing_bias(bias, tokens, 1e-3) - bias)
@@ -219,11 +220,15 @@ def test_sequence_balance_loss_matches_the_paper_and_leaves_out_padding():
   np.testing.assert_allclose(moe.sequence_balance_loss({**sown, "layers_0": state["intermediates"]}, E, K), loss, rtol=1e-6)
 
   # Perfect balance (f_i = 1, P_i = 1/E) gives 1.0; every token on the same k experts with all its score there, E/k.
-  balanced = {moe.SEQ_TOKENS_PER_EXPERT: (jnp.full((2, E), K / E),), moe.SEQ_PROB_PER_EXPERT: (jnp.full((2, E), 1 / E),)}
-  np.testing.assert_allclose(moe.sequence_balance_loss({"layers_0": balanced}, E, K), 1.0, rtol=1e-6)
+  tokens = (jnp.full((2,), 6.0),)  # two rows of 6 real tokens
+  balanced = {moe.ROW_CHOICES: (jnp.full((2, E), 6 * K / E),), moe.ROW_PROBS: (jnp.full((2, E), 6 / E),)}
+  np.testing.assert_allclose(
+    moe.sequence_balance_loss({"layers_0": {**balanced, moe.ROW_TOKENS: tokens}}, E, K), 1.0, rtol=1e-6
+  )
   worst = {
-    moe.SEQ_TOKENS_PER_EXPERT: (jnp.zeros((2, E)).at[:, :K].set(1.0),),
-    moe.SEQ_PROB_PER_EXPERT: (jnp.zeros((2, E)).at[:, :K].set(1 / K),),
+    moe.ROW_CHOICES: (jnp.zeros((2, E)).at[:, :K].set(6.0),),
+    moe.ROW_PROBS: (jnp.zeros((2, E)).at[:, :K].set(6 / K),),
+    moe.ROW_TOKENS: tokens,
   }
   np.testing.assert_allclose(moe.sequence_balance_loss({"layers_0": worst}, E, K), E / K, rtol=1e-6)
   assert moe.sequence_balance_loss({}, E, K) == 0.0

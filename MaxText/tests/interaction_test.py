@@ -94,21 +94,18 @@ CASES = {**FEATURES, **BLOCKS}
 # (case, layout) -> a fragment of the one line that refuses it; each names why the maths does not allow it.
 REFUSALS: dict[tuple[str, str], str] = {}
 
+# Cases compared at a looser relative tolerance, and why. int8: qwix's symmetric int8 maps each row's largest
+# magnitude to +-127.5, a rounding tie, so the last-bit differences between two layouts' float sums (an RMS norm
+# vectorised otherwise, in data parallelism too) move that element a whole int8 step; the losses then differ by
+# about 1e-4 from step 0, in every layout alike.
+ROUNDING_TOLERANCE = {"int8": 1e-3}
+
 # (case, layout) -> what is not done yet: these cells are refused (in one line) or differ, for reasons of this
 # implementation, not of the maths. Each is an expected failure, strict: a cell that starts to pass fails the test
 # until it leaves this table.
-_UNPIPELINED = "the pipeline applies each block to its params alone"
 NOT_YET: dict[tuple[str, str], str] = {
-  ("fp8", "pipeline"): f"{_UNPIPELINED}: fp8's scales (a model collection) do not reach it",
-  ("int8", "pipeline"): f"{_UNPIPELINED}: the quantization recipe table does not reach it",
-  ("numerics", "pipeline"): f"{_UNPIPELINED}: the statistics taps' collection does not reach it, nor come back",
-  ("deepseek", "pipeline"): f"{_UNPIPELINED}: the routing statistics are not collected through it",
-  ("mixtral", "pipeline"): f"{_UNPIPELINED}: the routing statistics are not collected through it",
-  ("qwen3_moe", "pipeline"): f"{_UNPIPELINED}: the routing statistics are not collected through it",
+  ("deepseek", "pipeline"): "its decoder is two stacks (dense and MoE layers), and the pipeline runs one",
   ("deepseek", "context"): "multi-head latent attention has no context-parallel kernel",
-  ("int8", "context"): "int8's losses differ from 1 device's by about 1e-4 from step 0 (cause not found)",
-  ("int8", "expert"): "int8's losses differ from 1 device's by about 1e-4 from step 0 (cause not found)",
-  ("int8", "tensor"): "int8's losses differ from 1 device's by about 1e-4 from step 0 (cause not found)",
 }
 
 
@@ -160,9 +157,26 @@ def cell(report, case: str, layout: str) -> str:
   if "refused" in run:
     return f"refused: {run['refused']}"
   ours, expected = np.asarray(run["metrics"]["learning/loss"]), np.asarray(one["metrics"]["learning/loss"])
-  if len(ours) == len(expected) and np.allclose(ours, expected, rtol=1e-5, atol=0):
-    return "ok"
-  return f"losses {ours.tolist()} vs 1 device {expected.tolist()}"
+  rtol = ROUNDING_TOLERANCE.get(case, 1e-5)
+  if len(ours) != len(expected) or not np.allclose(ours, expected, rtol=rtol, atol=0):
+    return f"losses {ours.tolist()} vs 1 device {expected.tolist()}"
+  return _statistics_differ(run.get("numerics"), one.get("numerics")) or "ok"
+
+
+def _statistics_differ(ours, expected) -> str:
+  """'' when numerics_debug_config's statistics (rows of step, layer, tensor, stat, value) equal 1 device's: relative
+  1e-4, and near zero within 1e-6 of the largest value of that statistic."""
+  if ours is None and expected is None:
+    return ""
+  key = lambda r: (r["step"], r["layer"], r["tensor"], r["stat"])  # noqa: E731
+  ours, expected = ({key(r): r["value"] for r in rows or []} for rows in (ours, expected))
+  if ours.keys() != expected.keys():
+    return f"statistics rows {sorted(set(ours) ^ set(expected))[:3]} differ from 1 device's"
+  for k, value in expected.items():
+    scale = max(abs(v) for j, v in expected.items() if j[2:] == k[2:])
+    if not np.isclose(ours[k], value, rtol=1e-4, atol=1e-6 * scale):
+      return f"statistic {k}: {ours[k]} vs 1 device {value}"
+  return ""
 
 
 # Cases run without the persistent compilation cache: a multi-device step with the numerics statistics, compiled

@@ -5,11 +5,14 @@ losses for each layout, collective-permutes between the stages, and checkpoints 
 import json
 import types
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from MaxText.configuration import pipeline_schedule
 from MaxText.errors import ConfigError
+from MaxText.layers import microbatch_combine, moe, pipeline
 from MaxText.tests.helpers import run_python, tiny_args, tiny_config
 
 
@@ -39,6 +42,31 @@ def test_memory_order_gives_each_stage_its_circular_groups_then_its_share_of_the
   assert one_repeat.memory_order() == tuple(range(8)) and not one_repeat.reorders_layers
 
 
+def test_split_microbatches_combine_into_the_whole_batch_statistics():
+  rows = jnp.arange(12.0).reshape(6, 2)  # 6 rows of a per-row statistic
+  micro = pipeline._microbatches(rows, 3)  # microbatch m holds rows m, m + 3
+  np.testing.assert_array_equal(microbatch_combine.rows(micro), rows)
+  stacked = {"max": jnp.array([[1.0, 5.0], [4.0, 2.0], [3.0, 3.0]])}  # 3 microbatches' values
+  folded = microbatch_combine.folded(lambda a, b: jax.tree.map(jnp.maximum, a, b))(stacked)
+  np.testing.assert_array_equal(folded["max"], [4.0, 5.0])
+  assert microbatch_combine.combined({"layer": {moe.ROW_TOKENS: (micro[..., 0],)}})["layer"][moe.ROW_TOKENS][0].shape == (6,)
+  with pytest.raises(ValueError, match="'unregistered'"):
+    microbatch_combine.combined({"unregistered": (micro,)})
+
+
+def test_per_use_copies_take_their_gradient_by_the_collection_rule():
+  """A collection used once per microbatch (fp8's state) gets the rule's combination of its copies' gradients (the
+  largest), not their sum; the bubbles' copy is dropped."""
+  layers = jnp.zeros((1, 1, 2, 3))  # [stages, repeats, layers per stage, ...]
+  rule = microbatch_combine.folded(jnp.maximum)
+
+  def loss(tree):
+    copies = pipeline._per_use(tree, 2, rule)  # [1, 1, 2, 3 (2 microbatches + the bubbles'), 3]
+    return jnp.sum(copies * jnp.array([1.0, 3.0, 100.0])[:, None])  # the bubbles' copy: 100
+
+  np.testing.assert_array_equal(jax.grad(loss)(layers), jnp.full((1, 1, 2, 3), 3.0))
+
+
 # 8 devices as pyconfig sees them (the checks run before JAX builds a mesh).
 CPUS = [types.SimpleNamespace(platform="cpu", id=i, slice_index=0, process_index=0) for i in range(8)]
 
@@ -64,7 +92,7 @@ def _config(*args):
       ],
       "the 8 eval rows do not split into num_pipeline_microbatches=16",
     ),
-    (["ici_pipeline_parallelism=2", "decoder_block=mixtral"], "decoder_block=mixtral cannot be pipelined"),
+    (["ici_pipeline_parallelism=2", "decoder_block=deepseek"], "decoder_block=deepseek cannot be pipelined"),
     (["ici_pipeline_parallelism=2", "decoder_block=gemma2"], "decoder_block=gemma2 cannot be pipelined"),
     (
       ["ici_pipeline_parallelism=2", "pipeline_delay_activation_forwarding=true", "num_pipeline_microbatches=2"],
@@ -122,6 +150,15 @@ ACCUMULATION = ["gradient_accumulation_steps=2"]
 # Gemma 3's local and global layers: each stage's layers are told their index in the model.
 GEMMA3 = ["decoder_block=gemma3", "sliding_window_size=8"]
 DECODE = ["max_target_length=24", "max_prefill_predict_length=8", "dataset_type=synthetic"]
+# Model collections through the pipeline: fp8's state (a copy per microbatch, combined by maximum), the MoE routing
+# statistics (sown per row, put back in row order); each with layers after the pipeline and layers reordered.
+FP8 = ["quantization=fp8"]
+# 2 steps: fp8's casts (3 and 2 mantissa bits) turn the last-bit differences of another layout's sums into whole
+# steps of the fp8 grid, and Adam's first update turns those of near-zero gradients into whole steps too: from step
+# 2 the losses differ by about 3e-4 here, as every multi-device fp8 run's do, and step 1's amaxes by up to 20%.
+# Step 0's amax (the oldest entry of each history) and the scales made from it equal 1 device's.
+FP8_STEPS = 2
+MOE = ["decoder_block=mixtral", "num_experts=4", "num_experts_per_tok=2"]
 
 
 def _runs(tmp_path) -> list[dict]:
@@ -147,6 +184,13 @@ def _runs(tmp_path) -> list[dict]:
     run("pipelined", 8, *LAYOUTS["stage4_fsdp2"], steps=3, checkpoints=True),
     {**run("pipelined", 1, checkpoints=True), "metrics_as": "resumed_one"},
     {**run("pipelined", 8, *LAYOUTS["stage2_tensor2_data2"], checkpoints=True), "metrics_as": "resumed_stage2"},
+    run("fp8_one", 1, *FP8, steps=FP8_STEPS),
+    run("fp8_half_pipelined", 8, *FP8, *LAYOUTS["stage2_half_pipelined"], steps=FP8_STEPS),
+    # fp8 state saved at step 0 in a 4-stage pipeline's memory order, resumed by one device (the model's order)
+    run("fp8_pipelined", 8, *FP8, *LAYOUTS["stage4_fsdp2"], "checkpoint_period=1", steps=1, checkpoints=True),
+    {**run("fp8_pipelined", 1, *FP8, "checkpoint_period=1", steps=FP8_STEPS, checkpoints=True), "metrics_as": "fp8_resumed"},
+    run("moe_one", 1, *MOE),
+    run("moe_half_pipelined", 8, *MOE, *LAYOUTS["stage2_half_pipelined"]),
     run("decode_pipelined", 1, *DECODE, f"load_parameters_path={checkpoint_items}", decode=True),
     run("decode_one", 1, *DECODE, f"load_parameters_path={tmp_path / 'one' / 'checkpoints' / '2' / 'items'}", decode=True),
   ]
@@ -191,6 +235,33 @@ def test_each_pipeline_layout_trains_as_one_device(report, name):
 def test_accumulation_and_layer_indices_train_as_one_device(report, name, baseline):
   losses, expected = report["metrics"][name], report["metrics"][baseline]
   np.testing.assert_allclose([losses[s] for s in range(STEPS)], [expected[s] for s in range(STEPS)], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_the_moe_routing_statistics_go_through_the_pipeline_as_on_one_device(report):
+  losses, expected = report["metrics"]["moe_half_pipelined"], report["metrics"]["moe_one"]
+  np.testing.assert_allclose([losses[s] for s in range(STEPS)], [expected[s] for s in range(STEPS)], rtol=1e-5)
+
+
+def _assert_fp8_state_equal(ours: dict, expected: dict) -> None:
+  assert ours.keys() == expected.keys() and len(expected) > 0
+  for key, value in expected.items():
+    np.testing.assert_allclose(ours[key], value, rtol=1e-5, err_msg=key)
+
+
+@pytest.mark.slow
+def test_the_fp8_state_goes_through_the_pipeline_as_on_one_device(report):
+  losses, expected = report["metrics"]["fp8_half_pipelined"], report["metrics"]["fp8_one"]
+  np.testing.assert_allclose([losses[0], losses[1]], [expected[0], expected[1]], rtol=1e-5)
+  _assert_fp8_state_equal(report["fp8_half_pipelined"]["fp8_meta"], report["fp8_one"]["fp8_meta"])
+
+
+@pytest.mark.slow
+def test_a_pipelined_fp8_state_resumes_on_one_device(report):
+  losses = report["metrics"]["fp8_resumed"]
+  assert sorted(losses) == [1]
+  np.testing.assert_allclose(losses[1], report["metrics"]["fp8_one"][1], rtol=1e-5)
+  _assert_fp8_state_equal(report["fp8_pipelined"]["fp8_meta"], report["fp8_one"]["fp8_meta"])  # the resumed run's
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ go to REPORT.json.<name>.npy. Used by multi_device_test.py.
 
 import json
 import math
+import os
 import sys
 import time
 
@@ -22,6 +23,7 @@ import numpy as np
 from flax import traverse_util
 
 from MaxText import pyconfig, train
+from MaxText.diagnostics import numerics_log
 from MaxText.errors import UserError
 from MaxText.inference import decoding
 from MaxText.runtime import jax_runtime, mesh, sharding
@@ -97,6 +99,15 @@ def train_run(config, probes) -> dict:
     "params": _shards(state.params),
     "opt_state_as_params": _adam_moments_sharded_as_params(state),
   }
+  if "fp8_meta" in state.slots:  # each fp8 state's scale, and its amax history's oldest entry (step 0's amax)
+    report["fp8_meta"] = {  # train_loop returns the state in the model's layer order
+      jax.tree_util.keystr(p): np.asarray(x if x.ndim < 2 else x[..., -1]).tolist()
+      for p, x in jax.tree_util.tree_leaves_with_path(state.slots["fp8_meta"])
+    }
+  stats = os.path.join(config.run_dir, numerics_log.STATS_DIR, numerics_log.STATS_FILE)
+  if os.path.exists(stats):  # numerics_debug_config's statistics, as rows
+    with open(stats, encoding="utf-8") as f:
+      report["numerics"] = [json.loads(line) for line in f]
   if probes:
     abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state.params)
     report["activations"] = activation_shards(
