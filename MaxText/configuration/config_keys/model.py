@@ -19,6 +19,29 @@ _MOE = On("decoder_block", "mixtral", "qwen3_moe", "deepseek")  # the decoder bl
 _DEEPSEEK = On("decoder_block", "deepseek")
 _YARN = On("rope_type", "yarn")
 
+_TILE = Range(1, also=(-1,), says="-1 (from the shapes) or a positive tile size")
+_MEGABLOX = On("megablox", True)
+_PASS = {"fwd": "forward", "dlhs": "input gradient", "drhs": "weight gradient"}
+_DIM = {"batch_seq": "rows", "embed_dim": "embed dim", "mlp_dim": "mlp dim"}
+# Upstream's tiles of megablox's kernels, per weight (wi, wo), pass and dim; -1: tile_<dim>, else from the shapes.
+_GMM_TILES = {
+  f"{weight}_tile_{p}_{dim}": Key(
+    f"megablox: the {_DIM[dim]} tile of {weight}'s {_PASS[p]} grouped matmul; -1: tile_{dim}, else from the shapes.",
+    range=_TILE,
+    acts_with=_MEGABLOX,
+  )
+  for weight in ("wi", "wo")
+  for p in _PASS
+  for dim in _DIM
+} | {
+  f"tile_{dim}": Key(
+    f"megablox: the {_DIM[dim]} tile of every grouped matmul whose own key is -1; -1: from the shapes.",
+    range=_TILE,
+    acts_with=_MEGABLOX,
+  )
+  for dim in _DIM
+}
+
 SECTIONS = {
   "Model": {
     "decoder_block": Key(
@@ -76,6 +99,14 @@ SECTIONS = {
       choices=("gather", "all_to_all"),
       acts_with=_MOE,
     ),
+    "sparse_matmul": Key(
+      "Experts as grouped matmuls over the routed tokens (true) or dense einsums over every expert (docs/models.md).",
+      acts_with=_MOE,
+    ),
+    "megablox": Key(
+      "Grouped matmuls: megablox's Pallas kernels on TPU, padded tiles on GPU, ragged_dot on CPU; false: ragged_dot."
+    ),
+    **_GMM_TILES,
     "load_balance_loss_weight": Key(
       "Weight of the router's load-balancing loss in the training loss (not in eval loss).",
       range=NON_NEGATIVE,
