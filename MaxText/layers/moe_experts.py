@@ -78,6 +78,11 @@ def capacity_slots(experts, num_experts: int, capacity: int):
   return slots, slots < capacity
 
 
+def _named(h_parts):
+  """The experts' wi_0, wi_1, ... outputs named moe_mlpwi_0, moe_mlpwi_1, ... for remat_policy=custom."""
+  return [checkpoint_name(h, f"moe_mlpwi_{i}") for i, h in enumerate(h_parts)]
+
+
 def _gated(h_parts, activations):
   return functools.reduce(operator.mul, [ACTIVATIONS[a](h) for a, h in zip(activations, h_parts)])
 
@@ -87,9 +92,9 @@ def _expert_mlp(grouped, wi, wo, group_sizes, activations, matmul: GroupedMatmul
 
   Rows past sum(group_sizes) give 0.
   """
-  h = _gated([matmul(grouped, w, group_sizes, "wi") for w in wi], activations)  # (R, M)
+  h = _gated(_named([matmul(grouped, w, group_sizes, "wi") for w in wi]), activations)  # (R, M)
   h = checkpoint_name(h, "mlpwi")
-  return matmul(h, wo, group_sizes, "wo")
+  return checkpoint_name(matmul(h, wo, group_sizes, "wo"), "moe_mlpwo")
 
 
 def _grouped_local(x, weights, experts, wi, wo, expert_mlp, psum_axes):
@@ -179,9 +184,9 @@ def with_capacity(x, weights, experts, wi, wo, activations, capacity_factor: flo
   dispatched = nn.with_logical_constraint(
     dispatched, ("activation_batch_no_exp", "activation_exp", None, "activation_embed")
   )
-  h = _gated([jnp.einsum("becd,edm->becm", dispatched, w) for w in wi], activations)  # (B, E, C, M)
+  h = _gated(_named([jnp.einsum("becd,edm->becm", dispatched, w) for w in wi]), activations)  # (B, E, C, M)
   h = checkpoint_name(h, "mlpwi")
-  out = jnp.einsum("becm,emd->becd", h, wo).reshape(batch, dropped, dim)
+  out = checkpoint_name(jnp.einsum("becm,emd->becd", h, wo), "moe_mlpwo").reshape(batch, dropped, dim)
   out = jnp.concatenate([out, jnp.zeros((batch, 1, dim), out.dtype)], axis=1)  # (B, E*C+1, D)
   per_choice = jnp.take_along_axis(out, flat_slot[..., None], axis=1).reshape(*experts.shape, dim)  # (B, T, k, D)
   return jnp.einsum("btkd,btk->btd", per_choice, weights.astype(out.dtype))
@@ -192,9 +197,9 @@ def dense(x, weights, experts, wi, wo, activations):
   num_experts = wo.shape[0]
   # (B, T, E): a token's routing weight for each expert, 0 for those it did not choose.
   combine = jnp.sum(jax.nn.one_hot(experts, num_experts, dtype=x.dtype) * weights[..., None].astype(x.dtype), axis=-2)
-  h = _gated([jnp.einsum("btd,edm->btem", x, w) for w in wi], activations)  # (B, T, E, M)
+  h = _gated(_named([jnp.einsum("btd,edm->btem", x, w) for w in wi]), activations)  # (B, T, E, M)
   h = checkpoint_name(h, "mlpwi")
-  return jnp.einsum("btem,emd->btd", h * combine[..., None], wo)
+  return checkpoint_name(jnp.einsum("btem,emd->btd", h * combine[..., None], wo), "moe_mlpwo")
 
 
 def routed_experts(module, x, weights, experts, num_experts: int, intermediate_dim: int, activations, cfg: ExpertsConfig):

@@ -6,7 +6,7 @@ import re
 import pytest
 
 from MaxText import pyconfig
-from MaxText.configuration import base_yml, config_loader, config_schema, config_validation
+from MaxText.configuration import base_yml, common_types, config_loader, config_schema, config_validation
 from MaxText.errors import ConfigError
 from MaxText.tests.helpers import BASE_YML, TRAIN_PY, run_python
 
@@ -93,6 +93,7 @@ def test_the_switches_are_those_the_companion_warnings_named():
       "sparse_matmul",
       "load_balance_loss_weight",
     ],
+    "remat_policy=custom": list(common_types.REMAT_NAMES),
     "megablox=true": [
       *(
         f"{w}_tile_{p}_{d}"

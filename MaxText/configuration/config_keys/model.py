@@ -9,6 +9,8 @@ from MaxText.configuration.common_types import (
   KV_QUANT_DTYPES,
   MLP_ACTIVATIONS,
   QUANTIZATIONS,
+  REMAT_NAMES,
+  REMAT_PLACEMENTS,
   REMAT_POLICIES,
 )
 from MaxText.configuration.config_keys import NON_NEGATIVE, POSITIVE, Key, On, Range
@@ -230,5 +232,13 @@ SECTIONS = {
       "What the backward pass keeps instead of recomputing: full keeps nothing, none everything (base.yml lists all).",
       choices=REMAT_POLICIES,
     ),
+    **{
+      name: Key(
+        f"remat_policy=custom: {name} is recomputed (remat), kept on the device, or offloaded to host memory.",
+        choices=REMAT_PLACEMENTS,
+        acts_with=On("remat_policy", "custom"),
+      )
+      for name in REMAT_NAMES
+    },
   },
 }
