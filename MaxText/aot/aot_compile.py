@@ -20,6 +20,7 @@ from MaxText.aot import compiled_step_file, hlo_ops, interconnect, roofline
 from MaxText.errors import UserError
 from MaxText.features import lora
 from MaxText.input_pipeline.packing import BATCH_KEYS
+from MaxText.layers import remat
 from MaxText.runtime import aot_targets, memory_check, sharding
 from MaxText.runtime.mesh import create_device_mesh
 from MaxText.training import flops, jit_steps, training_setup
@@ -359,7 +360,9 @@ def report(outcome: Outcome) -> list[str]:
       f"  total           {_gib(memory.peak_bytes):>12}" + (f" of {_gib(limit)}" if limit else ""),
     ]
     if outcome.host_bytes:
-      lines.append(f"  host memory     {_gib(outcome.host_bytes):>12}  (offloaded activations, not counted above)")
+      named = remat.offloaded(config)
+      what = f"offloaded activations: {', '.join(named)}" if named else "offloaded activations"
+      lines.append(f"  host memory     {_gib(outcome.host_bytes):>12}  ({what}; not counted above)")
   lines.append(verdict(outcome))
   lines.append(flops.describe(flops.training_tflops_per_device(config)))
   if outcome.estimate is not None:

@@ -22,6 +22,9 @@ fusion, which run within it) is read as an Op:
   the buffer, sized for the worst case). The weight gradient compiles (jax 0.10, libtpu 0.0.42) to a convolution
   over every expert group of the whole buffer, each group masking the rows of the others (a `pred[groups, rows]`
   operand): the TPU runs it dense, and the compiler's cycles say so. Such an op is marked `dense_groups`.
+  megablox's Pallas kernels (`gmm` forward and input gradient, `tgmm` weight gradient; megablox=true) carry their own
+  cost estimate, 2 x buffer rows x K x N over every row of the buffer, padding included, and no cycles: they are
+  costed at that estimate scaled to the routed rows (the kernels skip the row tiles past the groups).
 
 Free: parameters, tuples, bitcasts, constants, control flow (its bodies are counted), asynchronous copies and slices
 (DMA engines, beside the TensorCore), and collectives (interconnect costs them).
@@ -52,6 +55,8 @@ _ELEMENTWISE = {
 }  # fmt: skip
 _SLICING = {"dynamic-slice", "slice", "gather"}
 _CYCLES = re.compile(r'"estimated_cycles"\s*:\s*"(\d+)"')
+_GROUPED_KERNEL = re.compile(r"^t?gmm(\.\d+)?$")  # megablox's Pallas kernels, named after their Python functions
+_COST_FLOPS = re.compile(r'"cost_estimate"\s*:\s*\{\s*"flops"\s*:\s*"(\d+)"')
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _KIND = re.compile(r"kind=(k\w+)")
 
@@ -224,6 +229,15 @@ def _ragged_dot_flops(instruction: hlo_text.Instruction, shapes: dict[str, str],
   return 2.0 * min(lhs[0], rows or lhs[0]) * lhs[-1] * out[-1]
 
 
+def _grouped_kernel_flops(name: str, estimate: float, shape: str, rows: int | None) -> float:
+  """A megablox kernel's FLOPs over the routed rows: its own estimate (2 x buffer rows x K x N) x routed / buffer rows.
+
+  gmm's output is (buffer rows, N); tgmm's is (groups, K, N), its buffer rows the estimate's quotient."""
+  out = hlo_text.dims(shape)
+  buffer_rows = out[0] if not name.startswith("tgmm") else estimate / (2.0 * out[-2] * out[-1])
+  return estimate * min(1.0, (rows or buffer_rows) / buffer_rows) if buffer_rows else estimate
+
+
 def _dense_groups(program, called: list[str]) -> tuple[int, int] | None:
   """(groups, rows) when a fusion is a grouped matmul written dense over its groups: a convolution over a pred[groups,
   rows] mask of the rows each group owns (how ragged_dot's weight gradient compiles)."""
@@ -262,6 +276,9 @@ def _op(program, instruction: hlo_text.Instruction, shapes: dict[str, str], rows
     moved = operand_bytes + hlo_text.array_bytes(shape)
     if "ragged_dot_tiling" in rest:
       return Op(name, opcode, _ragged_dot_flops(instruction, shapes, rows), moved, cycles=cycles)
+    estimate = _COST_FLOPS.search(rest)
+    if _GROUPED_KERNEL.match(name) and estimate and len(hlo_text.dims(shape)) >= 2:
+      return Op(name, opcode, _grouped_kernel_flops(name, float(estimate.group(1)), shape, rows), moved, cycles=cycles)
     return Op(name, opcode, 0.0, moved, cycles=cycles, opaque=cycles is None and target != "ZeroCrop")
   if opcode == "dynamic-update-slice":  # in place: the update is read and written
     update = shapes.get(instruction.operands[1], "") if len(instruction.operands) > 1 else ""

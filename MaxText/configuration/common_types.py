@@ -61,8 +61,32 @@ REMAT_POLICIES = (
   "minimal_with_context",
   "save_dot_with_context_except_mlp",
   "qkv_proj_offloaded",
+  "custom",
   "none",
 )
+# remat_policy=custom: upstream's names of the activations the layers tag (checkpoint_name), each a key whose value
+# says where the backward pass finds it: recomputed (remat), kept on the device, or offloaded to host memory.
+REMAT_NAMES = (
+  "decoder_layer_input",
+  "context",
+  "mlpwi",
+  "mlpwi_0",
+  "mlpwi_1",
+  "mlpwo",
+  "moe_mlpwi_0",
+  "moe_mlpwi_1",
+  "moe_mlpwo",
+  "query_proj",
+  "key_proj",
+  "value_proj",
+  "qkv_proj",
+  "out_proj",
+  "mla_q",
+  "mla_kv",
+  "attention_out",
+)
+REMAT_PLACEMENTS = ("remat", "device", "offload")
+REMAT_NAME_DEFAULTS = {"decoder_layer_input": "device"}  # the others: remat
 # The policies that keep the attention output ("context"): for fused attention kernels (flash, cuDNN).
 CONTEXT_REMAT_POLICIES = ("minimal_flash", "minimal_with_context", "save_dot_with_context_except_mlp")
 MLP_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_exact", "relu", "tanh", "sigmoid", "linear")

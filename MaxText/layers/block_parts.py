@@ -13,11 +13,12 @@ from collections.abc import Callable
 import flax.linen as nn
 
 from MaxText.configuration import attention_selection
-from MaxText.layers import context_parallel
+from MaxText.layers import context_parallel, grouped_matmul
 from MaxText.layers.attentions import Attention
 from MaxText.layers.embeddings import LinearRopeScaling, Llama3RopeScaling
 from MaxText.layers.linears import Gemm, MlpBlock
 from MaxText.layers.moe import MoeBlock, load_balancing_loss
+from MaxText.layers.moe_experts import ExpertsConfig
 from MaxText.layers.normalizations import LayerNorm, RMSNorm
 
 
@@ -104,12 +105,16 @@ def moe(config, name: str = "MoeBlock_0") -> MoeBlock:
     num_experts_per_tok=config.num_experts_per_tok,
     intermediate_dim=config.mlp_dim,
     activations=tuple(config.mlp_activations),
-    capacity_factor=config.capacity_factor,
+    experts=experts_config(config),
     dtype=config.dtype,
     weight_dtype=config.weight_dtype,
-    dispatch=config.moe_dispatch,
     name=name,
   )
+
+
+def experts_config(config) -> ExpertsConfig:
+  """How the routed experts compute: sparse_matmul x capacity_factor, the dispatch, the grouped matmul's kernel."""
+  return ExpertsConfig(config.capacity_factor, config.sparse_matmul, config.moe_dispatch, grouped_matmul.from_config(config))
 
 
 def dropout(config) -> nn.Dropout:

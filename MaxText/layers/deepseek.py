@@ -63,11 +63,10 @@ class DeepSeekMoeLayer(DeepSeekDenseLayer):
       topk_routing_group=cfg.topk_routing_group,
       routed_scaling_factor=cfg.routed_scaling_factor,
       norm_topk_prob=True,
-      capacity_factor=cfg.capacity_factor,
+      experts=block_parts.experts_config(cfg),
       activations=tuple(cfg.mlp_activations),
       dtype=cfg.dtype,
       weight_dtype=cfg.weight_dtype,
-      dispatch=cfg.moe_dispatch,
       name="MoeBlock_0",
     )(x, segment_ids)
 

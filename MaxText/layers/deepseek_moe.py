@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from MaxText.layers import initializers, moe
 from MaxText.layers.linears import PLAIN, MlpBlock
+from MaxText.layers.moe_experts import ExpertsConfig, routed_experts
 
 
 class GroupLimitedRouter(nn.Module):
@@ -62,8 +63,7 @@ class DeepSeekMoeBlock(nn.Module):
     intermediate_dim: each expert's mlp width (moe_intermediate_size).
     shared_experts: S, the shared experts fused into one MLP (n_shared_experts); 0 for none.
     n_routing_groups, topk_routing_group: n_group and topk_group of the group-limited routing.
-    capacity_factor: <= 0 dropless, else the per-sequence expert capacity as MoeBlock.
-    dispatch: the dropless dispatch as MoeBlock's (config.moe_dispatch: gather | all_to_all).
+    experts: how the routed experts compute, as MoeBlock's (moe_experts.py).
   """
 
   num_experts: int
@@ -74,11 +74,10 @@ class DeepSeekMoeBlock(nn.Module):
   topk_routing_group: int
   routed_scaling_factor: float
   norm_topk_prob: bool
-  capacity_factor: float
+  experts: ExpertsConfig
   activations: Sequence[str]
   dtype: str
   weight_dtype: str
-  dispatch: str = "gather"
 
   @nn.compact
   def __call__(self, x, segment_ids):
@@ -95,17 +94,7 @@ class DeepSeekMoeBlock(nn.Module):
     )(x)  # (B, T, E), (B, T, k), (B, T, k)
     moe.sow_routing_statistics(self, probs, experts, segment_ids, self.num_experts)  # the loads, the sequence loss
 
-    y = moe.routed_experts(
-      self,
-      x,
-      weights,
-      experts,
-      self.num_experts,
-      self.intermediate_dim,
-      self.activations,
-      self.capacity_factor,
-      self.dispatch,
-    )
+    y = routed_experts(self, x, weights, experts, self.num_experts, self.intermediate_dim, self.activations, self.experts)
     if self.shared_experts > 0:
       shared = MlpBlock(
         self.shared_experts * self.intermediate_dim,

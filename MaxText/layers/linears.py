@@ -143,7 +143,10 @@ class MlpBlock(nn.Module):
       branches = []
       for i, act in enumerate(self.activations):
         name = "wi" if num == 1 else f"wi_{i}"
-        h = checkpoint_name(dense(self.intermediate_dim, ("embed", "mlp"), name=name)(x), "mlpwi")
+        h = dense(self.intermediate_dim, ("embed", "mlp"), name=name)(x)
+        if num > 1:
+          h = checkpoint_name(h, f"mlpwi_{i}")  # for remat_policy=custom; all of them are "mlpwi" too
+        h = checkpoint_name(h, "mlpwi")
         branches.append(ACTIVATIONS[act](h))
     h = functools.reduce(operator.mul, branches)  # (B, T, M)
     h = nn.with_logical_constraint(h, ("activation_batch", "activation_length", "activation_mlp"))

@@ -237,6 +237,7 @@ class MLA(nn.Module):
     heads = (self.num_heads, self.qk_head_dim)
     if self.q_lora_rank > 0:
       q = norm(name="q_norm")(dense(self.q_lora_rank, ("embed", "q_lora"), name="wq_a")(x))  # (B, T, q_lora)
+      q = checkpoint_name(q, "mla_q")
       query = dense(heads, ("q_lora", "heads", "kv"), name="wq_b")(q)
     else:
       query = dense(heads, ("embed", "heads", "kv"), name="query")(x)  # (B, T, N, Dqk)
@@ -246,6 +247,7 @@ class MLA(nn.Module):
     query = checkpoint_name(query, "query_proj")
 
     kv = dense(self.kv_lora_rank + self.qk_rope_head_dim, ("embed", "kv_lora"), name="wkv_a")(x)  # (B, T, L + R)
+    kv = checkpoint_name(kv, "mla_kv")
     kv_latent = norm(name="kv_norm")(kv[..., : self.kv_lora_rank])  # (B, T, L)
     k_rope = self._rope(kv[..., None, self.kv_lora_rank :], positions)  # (B, T, 1, R): one head, shared
     wkv_b = dense((self.num_heads, self.qk_nope_head_dim + self.v_head_dim), ("kv_lora", "heads", "kv"), name="wkv_b")

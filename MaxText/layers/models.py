@@ -20,6 +20,7 @@ from MaxText.layers import (
   linears,
   pipeline,
   quantizations,
+  remat,
 )
 from MaxText.layers.attention_masks import soft_cap
 from MaxText.layers.block_parts import DecoderFamily
@@ -134,7 +135,8 @@ class Decoder(nn.Module):
     block = _stacked(family.block(stack), family.takes_layer_index, scanned)
     if cfg.remat_policy != "none":
       # Args are (self, x, positions, segment_ids, deterministic, layer_index): `deterministic` is a Python bool.
-      block = nn.remat(block, prevent_cse=not scanned, policy=REMAT_POLICIES[cfg.remat_policy], static_argnums=(4,))
+      policy = remat.custom_policy(cfg) if cfg.remat_policy == "custom" else REMAT_POLICIES[cfg.remat_policy]
+      block = nn.remat(block, prevent_cse=not scanned, policy=policy, static_argnums=(4,))
     return block
 
   @nn.compact

@@ -5,35 +5,18 @@ experts per token, their weights renormalised to sum to 1; each expert is a gate
 wo(act_0(x wi_0) * act_1(x wi_1)); a token's output is the weighted sum of its experts' outputs.
 DeepSeek-V3's routing (`route_sigmoid_grouped`), its sequence-wise balance loss and its bias update for
 auxiliary-loss-free balancing are here too; deepseek_moe.py assembles its block from these parts.
-
-Two dispatch strategies, chosen by `capacity_factor`:
-- dropless (capacity_factor <= 0, the default): every token reaches its k experts. The (token, expert) pairs
-  of a device's tokens are sorted by expert and multiplied group by group with `jax.lax.ragged_dot`
-  (a grouped matmul that XLA lowers natively on TPU): k/num_experts of the dense FLOPs, activations
-  (tokens * k, mlp). It runs under shard_map over the batch (and length) mesh axes, and the mlp dim keeps its
-  tensor sharding (partial outputs are summed over those axes). `moe_dispatch` says what moves:
-  gather (the default): tokens stay on their device, the expert weights are gathered per layer like FSDP;
-  all_to_all: the expert weights stay sharded over the `expert` axis and the pairs travel to their experts' devices
-  and back (moe_dispatch.py).
-- capacity (capacity_factor > 0): each sequence sends at most C = int(T * k / num_experts * capacity_factor)
-  tokens to an expert (upstream MaxText's semantics: earlier tokens first, a token's choices in rank order;
-  a dropped choice contributes nothing and the kept weights are not renormalised). Tokens are gathered into
-  fixed (batch, expert, C, embed) buffers and multiplied with einsums whose expert dim is sharded over the
-  `expert` mesh axis (expert parallelism; GSPMD moves the tokens).
+How the experts compute (grouped or dense, dropless or with a capacity, the dispatch) is moe_experts.py's.
 """
 
-import functools
-import operator
 from collections.abc import Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import PartitionSpec
 
-from MaxText.layers import initializers, mesh_specs, microbatch_combine, moe_dispatch
-from MaxText.layers.linears import ACTIVATIONS, DenseGeneral
+from MaxText.layers import microbatch_combine
+from MaxText.layers.linears import DenseGeneral
+from MaxText.layers.moe_experts import ExpertsConfig, routed_experts
 
 # Names of the per-layer routing statistics sown into the "intermediates" collection, each per batch row (sums over
 # the row's real tokens), so that the whole batch's, a sequence's and any split of the batch's (the pipeline's
@@ -131,168 +114,6 @@ def update_routing_bias(bias, tokens_per_expert, rate: float):
   return (bias.astype(jnp.float32) + step).astype(bias.dtype)
 
 
-def expert_capacity(length: int, num_experts_per_tok: int, num_experts: int, capacity_factor: float) -> int:
-  """Tokens of one sequence an expert accepts: int(T * k / E * capacity_factor), at least 1 and at most T."""
-  return min(length, max(1, int(length * num_experts_per_tok / num_experts * capacity_factor)))
-
-
-def capacity_slots(experts, num_experts: int, capacity: int):
-  """Each choice's slot in its expert's buffer, and whether it fits.
-
-  Priority is the order of (token, rank) within a sequence, as upstream MaxText's cumulative count.
-
-  Args:
-    experts: (B, T, k) chosen experts.
-  Returns:
-    slots (B, T, k) int32 (position among the sequence's choices of that expert), kept (B, T, k) bool.
-  """
-  batch, length, k = experts.shape
-  onehot = jax.nn.one_hot(experts.reshape(batch, length * k), num_experts, dtype=jnp.int32)  # (B, T*k, E)
-  slots = jnp.sum((jnp.cumsum(onehot, axis=1) - 1) * onehot, axis=-1).reshape(batch, length, k)
-  return slots, slots < capacity
-
-
-def _gated(h_parts, activations):
-  return functools.reduce(operator.mul, [ACTIVATIONS[a](h) for a, h in zip(activations, h_parts)])
-
-
-def _expert_mlp(grouped, wi, wo, group_sizes, activations):
-  """The gated MLPs of experts on rows grouped by expert: grouped (R, D), wi [(E, D, M)], wo (E, M, D) -> (R, D)."""
-  h = _gated([jax.lax.ragged_dot(grouped, w, group_sizes) for w in wi], activations)  # (R, M)
-  h = checkpoint_name(h, "mlpwi")
-  return jax.lax.ragged_dot(h, wo, group_sizes)
-
-
-def _dropless_local(x, weights, experts, wi, wo, activations, psum_axes):
-  """Sorted grouped matmuls on one device's tokens. x (b, t, D); weights, experts (b, t, k); wi [(E, D, M)]."""
-  batch, length, dim = x.shape
-  k = experts.shape[-1]
-  num_experts = wo.shape[0]
-  flat_experts = experts.reshape(-1)  # (n*k,), n = b*t
-  order = jnp.argsort(flat_experts, stable=True)
-  grouped = x.reshape(-1, dim)[order // k]  # (n*k, D) grouped by expert
-  group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
-  out = _expert_mlp(grouped, wi, wo, group_sizes, activations)  # (n*k, D)
-  out = out[jnp.argsort(order)].reshape(batch, length, k, dim)  # back to (token, rank) order
-  y = jnp.einsum("btkd,btk->btd", out, weights.astype(out.dtype))
-  return jax.lax.psum(y, psum_axes) if psum_axes else y
-
-
-def dropless(x, weights, experts, wi, wo, activations, dispatch: str = "gather"):
-  """Dropless MoE over the current mesh (plain local computation outside a mesh). Shapes as _dropless_local.
-
-  dispatch: "gather" (each device gathers all experts' weights) or "all_to_all" (the tokens travel to the experts'
-  devices over the expert axes that split both the experts and the tokens; "gather" where there are none).
-  """
-  mesh = jax.sharding.get_abstract_mesh()
-  local = functools.partial(_dropless_local, activations=activations)
-  if mesh.empty:
-    return local(x, weights, experts, wi, wo, psum_axes=())
-  # One name at a time: resolved together, flax would drop "mlp" for sharing fsdp_transpose with the batch.
-  batch_spec, length_spec, mlp_spec = (
-    nn.logical_to_mesh_axes((name,))[0] for name in ("activation_batch", "activation_length", "mlp")
-  )
-  shape = dict(mesh.shape)
-  batch_axes = mesh_specs.dividing_axes(mesh_specs.as_tuple(batch_spec), x.shape[0], shape)
-  length_axes = mesh_specs.dividing_axes(
-    [a for a in mesh_specs.as_tuple(length_spec) if a not in batch_axes], x.shape[1], shape
-  )
-  token_axes = set(batch_axes + length_axes)
-  # The mlp dim stays sharded over the axes that do not already split the tokens; outputs are summed over them.
-  mlp_axes = mesh_specs.dividing_axes([a for a in mesh_specs.as_tuple(mlp_spec) if a not in token_axes], wo.shape[1], shape)
-  tokens = PartitionSpec(batch_axes or None, length_axes or None)
-  num_experts = wo.shape[0]
-  exp_axes = mesh_specs.as_tuple(nn.logical_to_mesh_axes(("exp",))[0])
-  ep_axes = mesh_specs.dividing_axes([a for a in exp_axes if a in token_axes], num_experts, shape)
-  if dispatch == "all_to_all" and ep_axes:
-    local = functools.partial(
-      moe_dispatch.all_to_all_local,
-      expert_mlp=functools.partial(_expert_mlp, activations=activations),
-      num_experts=num_experts,
-      ep_axes=ep_axes,
-      # XLA:CPU lacks ragged-all-to-all (CPU meshes are tests); an AOT compile for TPU has TPU devices here.
-      emulate=mesh.abstract_device is not None and mesh.abstract_device.platform == "cpu",
-    )
-  else:
-    ep_axes = ()
-  w_in, w_out = (
-    PartitionSpec(ep_axes or None, None, mlp_axes or None),
-    PartitionSpec(ep_axes or None, mlp_axes or None, None),
-  )
-  fn = jax.shard_map(
-    functools.partial(local, psum_axes=mlp_axes),
-    in_specs=(tokens, tokens, tokens, [w_in] * len(wi), w_out),
-    out_specs=tokens,
-  )
-  return fn(x, weights, experts, list(wi), wo)
-
-
-def with_capacity(x, weights, experts, wi, wo, activations, capacity_factor: float):
-  """MoE with at most C tokens per expert and sequence (see the module docstring). Shapes as _dropless_local."""
-  batch, length, dim = x.shape
-  num_experts = wo.shape[0]
-  capacity = expert_capacity(length, experts.shape[-1], num_experts, capacity_factor)
-  slots, kept = capacity_slots(experts, num_experts, capacity)
-  dropped = num_experts * capacity  # one spare buffer row that dropped choices write to and read from
-  flat_slot = jnp.where(kept, experts * capacity + slots, dropped).reshape(batch, -1)  # (B, T*k)
-  token_of_choice = jnp.broadcast_to(jnp.arange(length)[:, None], experts.shape[1:]).reshape(-1)  # (T*k,)
-  # Which token fills each buffer slot; empty slots point at an all-zero padding token (index T).
-  slot_token = jax.vmap(lambda s: jnp.full(dropped + 1, length).at[s].set(token_of_choice))(flat_slot)
-  padded = jnp.concatenate([x, jnp.zeros((batch, 1, dim), x.dtype)], axis=1)  # (B, T+1, D)
-  dispatched = jnp.take_along_axis(padded, slot_token[:, :dropped, None], axis=1)
-  dispatched = dispatched.reshape(batch, num_experts, capacity, dim)  # (B, E, C, D)
-  dispatched = nn.with_logical_constraint(
-    dispatched, ("activation_batch_no_exp", "activation_exp", None, "activation_embed")
-  )
-  h = _gated([jnp.einsum("becd,edm->becm", dispatched, w) for w in wi], activations)  # (B, E, C, M)
-  h = checkpoint_name(h, "mlpwi")
-  out = jnp.einsum("becm,emd->becd", h, wo).reshape(batch, dropped, dim)
-  out = jnp.concatenate([out, jnp.zeros((batch, 1, dim), out.dtype)], axis=1)  # (B, E*C+1, D)
-  per_choice = jnp.take_along_axis(out, flat_slot[..., None], axis=1).reshape(*experts.shape, dim)  # (B, T, k, D)
-  return jnp.einsum("btkd,btk->btd", per_choice, weights.astype(out.dtype))
-
-
-def routed_experts(
-  module,
-  x,
-  weights,
-  experts,
-  num_experts: int,
-  intermediate_dim: int,
-  activations,
-  capacity_factor: float,
-  dispatch: str = "gather",
-):
-  """The routed gated-MLP experts' output, declaring their kernels on `module` (called from its compact __call__).
-
-  Params: wi_0.. (E, embed, mlp) one per activation, wo (E, mlp, embed), in `module.weight_dtype`, computed in
-  `module.dtype`; dropless (with `dispatch`: gather | all_to_all) when capacity_factor <= 0, else with_capacity.
-
-  Args:
-    x: (B, T, D). weights, experts: (B, T, k) from a routing function.
-  Returns:
-    (B, T, D).
-  """
-  dim = x.shape[-1]
-  init = functools.partial(initializers.default_kernel_init, in_axis=1, out_axis=2)
-  wi_shape, wo_shape = (num_experts, dim, intermediate_dim), (num_experts, intermediate_dim, dim)
-  wi = [
-    module.param(
-      f"wi_{i}", nn.with_logical_partitioning(init, ("exp", "embed_no_exp", "mlp")), wi_shape, module.weight_dtype
-    ).astype(module.dtype)
-    for i in range(len(activations))
-  ]
-  wo = module.param(
-    "wo", nn.with_logical_partitioning(init, ("exp", "mlp", "embed_no_exp")), wo_shape, module.weight_dtype
-  ).astype(module.dtype)
-  x = x.astype(module.dtype)
-  if capacity_factor > 0:
-    y = with_capacity(x, weights, experts, wi, wo, activations, capacity_factor)
-  else:
-    y = dropless(x, weights, experts, wi, wo, activations, dispatch)
-  return checkpoint_name(y, "mlpwo")
-
-
 def sow_routing_statistics(module: nn.Module, probs, experts, segment_ids, num_experts: int) -> None:
   """Sows the routing statistics of each batch row (ROW_CHOICES, ROW_PROBS, ROW_TOKENS) over its real tokens.
 
@@ -369,10 +190,9 @@ class MoeBlock(nn.Module):
   num_experts_per_tok: int
   intermediate_dim: int
   activations: Sequence[str]
-  capacity_factor: float
+  experts: ExpertsConfig  # how they compute: moe_experts.py
   dtype: str
   weight_dtype: str
-  dispatch: str = "gather"  # the dropless dispatch, config.moe_dispatch: gather | all_to_all
 
   @nn.compact
   def __call__(self, x, segment_ids):
@@ -391,6 +211,5 @@ class MoeBlock(nn.Module):
       self.num_experts,
       self.intermediate_dim,
       self.activations,
-      self.capacity_factor,
-      self.dispatch,
+      self.experts,
     )

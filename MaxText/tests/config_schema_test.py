@@ -6,7 +6,7 @@ import re
 import pytest
 
 from MaxText import pyconfig
-from MaxText.configuration import base_yml, config_loader, config_schema, config_validation
+from MaxText.configuration import base_yml, common_types, config_loader, config_schema, config_validation
 from MaxText.errors import ConfigError
 from MaxText.tests.helpers import BASE_YML, TRAIN_PY, run_python
 
@@ -90,7 +90,20 @@ def test_the_switches_are_those_the_companion_warnings_named():
       "num_experts_per_tok",
       "capacity_factor",
       "moe_dispatch",
+      "sparse_matmul",
       "load_balance_loss_weight",
+    ],
+    "remat_policy=custom": list(common_types.REMAT_NAMES),
+    "megablox=true": [
+      *(
+        f"{w}_tile_{p}_{d}"
+        for w in ("wi", "wo")
+        for p in ("fwd", "dlhs", "drhs")
+        for d in ("batch_seq", "embed_dim", "mlp_dim")
+      ),
+      "tile_batch_seq",
+      "tile_embed_dim",
+      "tile_mlp_dim",
     ],
     "enable_dropout=true": ["dropout_rate"],
     "opt_type=muon": ["muon_beta", "muon_weight_decay", "muon_consistent_rms"],

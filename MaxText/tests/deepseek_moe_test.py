@@ -9,7 +9,7 @@ import torch
 from transformers import DeepseekV3Config
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
-from MaxText.layers import deepseek_moe, moe
+from MaxText.layers import deepseek_moe, moe, moe_experts
 
 E, K, D, M = 8, 2, 16, 8  # experts, experts per token, embed, mlp per expert
 GROUPS, TOPK_GROUPS, SHARED, SCALE = 4, 2, 1, 2.5
@@ -25,7 +25,7 @@ def _block(capacity_factor=-1.0):
     topk_routing_group=TOPK_GROUPS,
     routed_scaling_factor=SCALE,
     norm_topk_prob=True,
-    capacity_factor=capacity_factor,
+    experts=moe_experts.ExpertsConfig(capacity_factor),
     activations=("silu", "linear"),
     dtype="float32",
     weight_dtype="float32",

@@ -186,6 +186,24 @@ def test_a_grouped_matmul_kernel_is_costed_by_its_real_rows_and_other_kernels_ar
   assert routed["r"].flops == 2 * 512 * 512 * 256
 
 
+def test_megablox_kernels_are_costed_by_their_own_estimate_over_the_routed_rows():
+  """gmm (buffer rows 2048 x K 512 -> N 256) and tgmm (the weight gradient, 16 groups of 512 x 256): their
+  cost_estimate counts every buffer row; the routed rows (512) are a quarter of them."""
+  estimate = 2 * 2048 * 512 * 256
+  kernel = f'custom_call_target="tpu_custom_call", backend_config={{"cost_estimate":{{"flops":"{estimate}"}}}}'
+  entry = (
+    "  %x = bf16[2048,512]{1,0} parameter(0)\n"
+    "  %w = bf16[16,512,256]{2,1,0} parameter(1)\n"
+    "  %g = bf16[2048,256]{1,0} parameter(2)\n"
+    f"  %gmm.3 = bf16[2048,256]{{1,0}} custom-call(%x, %w), {kernel}\n"
+    f"  %tgmm = bf16[16,512,256]{{2,1,0}} custom-call(%x, %g), {kernel}"
+  )
+  found = {op.name: op for op in hlo_ops.ops(_program(entry, computations=""), routed_rows=512)}
+  assert found["gmm.3"].flops == found["tgmm"].flops == estimate / 4
+  assert not found["gmm.3"].opaque and not found["tgmm"].opaque
+  assert {op.name: op.flops for op in hlo_ops.ops(_program(entry, computations=""))} == {"gmm.3": estimate, "tgmm": estimate}
+
+
 def test_a_grouped_weight_gradient_written_dense_over_its_groups_is_marked_with_its_cost_by_routed_rows():
   """ragged_dot's weight gradient compiles to a convolution of the rows masked per group (pred[16, 2048]) with the
   experts as a dilated spatial dimension: each of the 16 groups multiplies all 2048 rows, which the TPU runs."""

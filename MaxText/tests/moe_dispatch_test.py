@@ -1,12 +1,17 @@
-"""moe_dispatch=all_to_all (expert parallelism by token dispatch) against moe_dispatch=gather and one device.
+"""moe_dispatch=all_to_all (expert parallelism by token dispatch) against moe_dispatch=gather and one device, and
+the experts' kernels against each other.
 
 - The CPU emulation of jax.lax.ragged_all_to_all against a NumPy model of the op's documented semantics.
-- On 8 forced CPU devices (expert 4 x tensor 2), float32: a few training steps of qwen3_moe and deepseek give the
-  1-device losses in both modes, and the compiled forward of all_to_all never holds an expert weight of all E
-  experts (gather's all-gathers them). One child process (this file run as a script) runs them all.
+- On 8 forced CPU devices (expert 4 x tensor 2), float32: a few training steps of mixtral, qwen3_moe and deepseek
+  give the 1-device losses in both modes, and the compiled forward of all_to_all never holds an expert weight of
+  all E experts (gather's all-gathers them). One child process (this file run as a script) runs them all.
+- The dropless cells of sparse_matmul x capacity_factor train the same losses: megablox's kernels (in the Pallas
+  interpreter) as ragged_dot in both modes, and the dense einsums over every expert (sparse_matmul=false) as the
+  grouped matmuls on one device.
 - The real op compiles for a TPU topology from this CPU host (libtpu's AOT compile).
 """
 
+import contextlib
 import json
 import re
 import sys
@@ -20,7 +25,7 @@ import pytest
 from MaxText import pyconfig
 from MaxText.aot import aot_compile
 from MaxText.errors import ConfigError
-from MaxText.layers import moe_dispatch
+from MaxText.layers import grouped_matmul, moe_dispatch
 from MaxText.runtime import mesh, sharding
 from MaxText.tests.helpers import BASE_YML, TEST_JAX_CACHE_DIR, run_python, tiny_args, tiny_config
 from MaxText.tests.tiny_models import DEEPSEEK
@@ -29,7 +34,8 @@ from MaxText.training import training_setup
 E, K = 8, 2  # experts (2 on each of 4 expert shards), experts per token
 # The experts' mlp dim: 48, 24 per tensor shard (no other dim of the tiny model is 24).
 QWEN3_MOE = ["decoder_block=qwen3_moe", f"num_experts={E}", f"num_experts_per_tok={K}", "base_mlp_dim=48"]
-FAMILIES = {"qwen3_moe": QWEN3_MOE, "deepseek": DEEPSEEK}
+MIXTRAL = ["decoder_block=mixtral", *QWEN3_MOE[1:]]
+FAMILIES = {"mixtral": MIXTRAL, "qwen3_moe": QWEN3_MOE, "deepseek": DEEPSEEK}
 PARALLEL = ["ici_expert_parallelism=4", "ici_tensor_parallelism=2"]
 MODES = ("gather", "all_to_all")
 STEPS = 3
@@ -126,6 +132,8 @@ def test_the_real_op_compiles_for_a_tpu_topology():
   )
   hlo = aot_compile.compile_for_target(config).compiled.as_text()
   assert hlo.count("ragged-all-to-all(") >= 4  # to the experts and back, forward and backward
+  # megablox=true (the default) on TPU: the experts' matmuls are its Pallas kernels, gmm and tgmm.
+  assert "tpu_custom_call" in hlo and "ragged-dot" not in hlo
 
 
 def _expert_weight_shapes(config, device_mesh) -> list[str]:
@@ -146,15 +154,23 @@ def _expert_weight_shapes(config, device_mesh) -> list[str]:
 
 
 def _child(out_dir):
-  """Trains every family on 1 and on 8 devices in both modes; compiles qwen3_moe's forward in both modes."""
+  """Trains every family on 1 and on 8 devices in both modes, with ragged_dot (megablox=false) and megablox's
+  kernels (interpreted), and densely on 1 device; compiles qwen3_moe's forward in both modes."""
   from MaxText.runtime.jax_runtime import enable_compilation_cache  # pylint: disable=import-outside-toplevel
   from MaxText.tests.sharded_runs import train_run  # pylint: disable=import-outside-toplevel
 
   enable_compilation_cache(TEST_JAX_CACHE_DIR)
-  report = {"device_count": jax.device_count(), "runs": {}, "shapes": {}, "seconds": {}}
+  report = {"device_count": jax.device_count(), "runs": {}, "kernels": {}, "shapes": {}, "seconds": {}}
   for family, args in FAMILIES.items():
-    layouts = {"one": (1, ["per_device_batch_size=8"])}
-    layouts |= {mode: (8, ["per_device_batch_size=1", *PARALLEL, f"moe_dispatch={mode}"]) for mode in MODES}
+    one = ["per_device_batch_size=8"]
+    layouts = {"one": (1, [*one, "megablox=false"]), "one_dense": (1, [*one, "sparse_matmul=false"])}
+    if family == "mixtral":  # its experts are qwen3_moe's MoeBlock: on 8 devices only qwen3_moe and deepseek
+      layouts["one_megablox"] = (1, [*one, "megablox=true"])
+    else:
+      for mode in MODES:
+        parallel = ["per_device_batch_size=1", *PARALLEL, f"moe_dispatch={mode}"]
+        layouts[mode] = (8, [*parallel, "megablox=false"])
+        layouts[f"{mode}_megablox"] = (8, [*parallel, "megablox=true"])
     for layout, (devices, extra) in layouts.items():
       name = f"{family}_{layout}"
       common = [f"base_output_directory={out_dir}", f"run_name={name}", f"metrics_file={out_dir}/{name}.jsonl"]
@@ -163,8 +179,10 @@ def _child(out_dir):
         ["moe_dispatch_test", BASE_YML, *tiny_args(*common, *args, *extra)], environ={}, devices=jax.devices()[:devices]
       )
       start = time.perf_counter()
-      report["runs"][name] = train_run(config, probes=())
-      if family == "qwen3_moe" and devices == 8:
+      with grouped_matmul.interpreted() if layout.endswith("_megablox") else contextlib.nullcontext():
+        report["kernels"][name] = grouped_matmul.from_config(config).kernel
+        report["runs"][name] = train_run(config, probes=())
+      if family == "qwen3_moe" and layout in MODES:
         report["shapes"][layout] = _expert_weight_shapes(config, mesh.create_device_mesh(config))
       report["seconds"][name] = round(time.perf_counter() - start, 1)
   with open(f"{out_dir}/report.json", "w", encoding="utf-8") as f:
@@ -183,9 +201,9 @@ def report(tmp_path_factory):
   return out
 
 
-@pytest.mark.slow  # the 8-device runs share one child process of about 45 s
+@pytest.mark.slow  # one child process: about 2.5 minutes cold, 1 with the compilation cache
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek"])
 def test_expert_parallel_losses_equal_one_device(report, family, mode):
   run, one = report["runs"][f"{family}_{mode}"], report["runs"][f"{family}_one"]
   assert run["mesh"]["expert"] == 4 and run["mesh"]["tensor"] == 2
@@ -195,6 +213,19 @@ def test_expert_parallel_losses_equal_one_device(report, family, mode):
   # The stored expert weights are sharded over `expert` in both modes: (E, layers, embed, mlp) per device.
   wi = [shape for path, (shape, _) in run["params"].items() if path.endswith("['MoeBlock_0']['wi_0']")]
   assert wi and wi[0][0] == E // 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_dropless_cells_train_the_same_losses_with_each_kernel(report, family):
+  runs = report["runs"]
+  pairs = [(name, name.removesuffix("_megablox")) for name in runs if name.startswith(f"{family}_")]
+  pairs = [(name, reference) for name, reference in pairs if name != reference] + [(f"{family}_one_dense", f"{family}_one")]
+  assert len(pairs) == (2 if family == "mixtral" else 3)
+  for name, reference in pairs:
+    assert report["kernels"][name] == ("megablox" if name.endswith("_megablox") else "ragged_dot")
+    for key in ("learning/loss", "learning/moe_lb_loss"):
+      np.testing.assert_allclose(runs[name]["metrics"][key], runs[reference]["metrics"][key], rtol=1e-5, err_msg=name)
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ import pytest
 from MaxText import pyconfig
 from MaxText.checkpoints import layer_stacking
 from MaxText.features import selection
-from MaxText.layers import models, moe
+from MaxText.layers import models, moe, moe_experts
 from MaxText.runtime import mesh, sharding
 from MaxText.tests.helpers import BASE_YML, run_train, tiny_config
 from MaxText.training import train_step, training_setup
@@ -29,8 +29,13 @@ def _silu(x):
   return x / (1 + np.exp(-x))
 
 
-def _block_and_params(capacity_factor=-1.0, shape=(2, 6)):
-  block = moe.MoeBlock(E, K, M, ("silu", "linear"), capacity_factor, "float32", "float32")
+def _moe_block(capacity_factor=-1.0, sparse_matmul=True):
+  experts = moe_experts.ExpertsConfig(capacity_factor, sparse_matmul)
+  return moe.MoeBlock(E, K, M, ("silu", "linear"), experts, "float32", "float32")
+
+
+def _block_and_params(capacity_factor=-1.0, shape=(2, 6), sparse_matmul=True):
+  block = _moe_block(capacity_factor, sparse_matmul)
   x = jax.random.normal(jax.random.PRNGKey(0), (*shape, D))
   variables = nn.unbox(block.init(jax.random.PRNGKey(1), x, jnp.ones(shape, jnp.int32)))
   params = jax.tree.map(lambda a: np.asarray(a, np.float64), variables["params"])
@@ -61,8 +66,9 @@ def _reference(x, params, capacity=None):
   return out, kept
 
 
-def test_routing_matches_a_numpy_reference():
-  block, variables, x, params = _block_and_params()
+@pytest.mark.parametrize("sparse_matmul", [True, False])  # dropless grouped matmuls | dense over every expert
+def test_routing_matches_a_numpy_reference(sparse_matmul):
+  block, variables, x, params = _block_and_params(sparse_matmul=sparse_matmul)
   logits = np.asarray(x, np.float64) @ params["gate"]["kernel"]
   probs = _softmax(logits)
   _, weights, experts = moe.route(jnp.asarray(logits, jnp.float32), K)
@@ -80,20 +86,21 @@ def test_routing_matches_a_numpy_reference():
   np.testing.assert_allclose(on_mesh, expected, atol=1e-5)
 
 
-def test_capacity_factor_drops_exactly_the_reference_tokens():
+@pytest.mark.parametrize("sparse_matmul", [True, False])  # grouped matmuls | dense per-expert buffers
+def test_capacity_factor_drops_exactly_the_reference_tokens(sparse_matmul):
   capacity_factor = 0.5  # C = int(8 * 2 / 4 * 0.5) = 2 choices per expert and sequence
-  block, variables, x, params = _block_and_params(capacity_factor, shape=(3, 8))
-  capacity = moe.expert_capacity(8, K, E, capacity_factor)
+  block, variables, x, params = _block_and_params(capacity_factor, shape=(3, 8), sparse_matmul=sparse_matmul)
+  capacity = moe_experts.expert_capacity(8, K, E, capacity_factor)
   assert capacity == 2
   expected, expected_kept = _reference(x, params, capacity)
   assert 0 < expected_kept.sum() < expected_kept.size  # some choices are dropped, not all
 
   _, _, experts = moe.route(jnp.asarray(x) @ jnp.asarray(params["gate"]["kernel"], jnp.float32), K)
-  _, kept = moe.capacity_slots(experts, E, capacity)
+  _, kept = moe_experts.capacity_slots(experts, E, capacity)
   np.testing.assert_array_equal(kept, expected_kept)
   np.testing.assert_allclose(block.apply(variables, x, jnp.ones(x.shape[:2], jnp.int32)), expected, atol=1e-5)
   # A capacity that holds every choice is the dropless result.
-  roomy = moe.MoeBlock(E, K, M, ("silu", "linear"), float(E), "float32", "float32")
+  roomy = _moe_block(float(E), sparse_matmul)
   np.testing.assert_allclose(
     roomy.apply(variables, x, jnp.ones(x.shape[:2], jnp.int32)), _reference(x, params)[0], atol=1e-5
   )

@@ -4,9 +4,11 @@ layout. This is where the features (features/selection.py) meet the core, which 
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from MaxText import feature_protocol
 from MaxText.features import selection
+from MaxText.layers import remat
 from MaxText.layers.linears import Gemm
 from MaxText.layers.models import Transformer
 from MaxText.runtime import memory_check
@@ -54,6 +56,10 @@ def build(
   tx = optimizers.create_optimizer(config, schedule, lambda: train_state.logical_param_axes(model, config, mesh))
   tx = feature_protocol.apply_all(features, "optimizer", tx)
   abstract_state, state_shardings = train_state.get_abstract_state(model, tx, features, config, mesh)
+  if config.remat_policy == "custom":
+    tokens = jax.ShapeDtypeStruct((1, config.max_target_length), jnp.int32)
+    forward = lambda params, t: model.apply({"params": params}, t, t, t)  # noqa: E731  (tokens, positions, segments)
+    remat.check_names(config, remat.produced_names(forward, abstract_state.params, tokens))
   for feature in features:
     feature.bind_params(abstract_state.params)
     feature.bind_state(abstract_state)

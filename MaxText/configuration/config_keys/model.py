@@ -9,6 +9,8 @@ from MaxText.configuration.common_types import (
   KV_QUANT_DTYPES,
   MLP_ACTIVATIONS,
   QUANTIZATIONS,
+  REMAT_NAMES,
+  REMAT_PLACEMENTS,
   REMAT_POLICIES,
 )
 from MaxText.configuration.config_keys import NON_NEGATIVE, POSITIVE, Key, On, Range
@@ -18,6 +20,29 @@ _KV_CACHE = On("quantize_kvcache", True)
 _MOE = On("decoder_block", "mixtral", "qwen3_moe", "deepseek")  # the decoder blocks with a mixture of experts
 _DEEPSEEK = On("decoder_block", "deepseek")
 _YARN = On("rope_type", "yarn")
+
+_TILE = Range(1, also=(-1,), says="-1 (from the shapes) or a positive tile size")
+_MEGABLOX = On("megablox", True)
+_PASS = {"fwd": "forward", "dlhs": "input gradient", "drhs": "weight gradient"}
+_DIM = {"batch_seq": "rows", "embed_dim": "embed dim", "mlp_dim": "mlp dim"}
+# Upstream's tiles of megablox's kernels, per weight (wi, wo), pass and dim; -1: tile_<dim>, else from the shapes.
+_GMM_TILES = {
+  f"{weight}_tile_{p}_{dim}": Key(
+    f"megablox: the {_DIM[dim]} tile of {weight}'s {_PASS[p]} grouped matmul; -1: tile_{dim}, else from the shapes.",
+    range=_TILE,
+    acts_with=_MEGABLOX,
+  )
+  for weight in ("wi", "wo")
+  for p in _PASS
+  for dim in _DIM
+} | {
+  f"tile_{dim}": Key(
+    f"megablox: the {_DIM[dim]} tile of every grouped matmul whose own key is -1; -1: from the shapes.",
+    range=_TILE,
+    acts_with=_MEGABLOX,
+  )
+  for dim in _DIM
+}
 
 SECTIONS = {
   "Model": {
@@ -76,6 +101,14 @@ SECTIONS = {
       choices=("gather", "all_to_all"),
       acts_with=_MOE,
     ),
+    "sparse_matmul": Key(
+      "Experts as grouped matmuls over the routed tokens (true) or dense einsums over every expert (docs/models.md).",
+      acts_with=_MOE,
+    ),
+    "megablox": Key(
+      "Grouped matmuls: megablox's Pallas kernels on TPU, padded tiles on GPU, ragged_dot on CPU; false: ragged_dot."
+    ),
+    **_GMM_TILES,
     "load_balance_loss_weight": Key(
       "Weight of the router's load-balancing loss in the training loss (not in eval loss).",
       range=NON_NEGATIVE,
@@ -199,5 +232,13 @@ SECTIONS = {
       "What the backward pass keeps instead of recomputing: full keeps nothing, none everything (base.yml lists all).",
       choices=REMAT_POLICIES,
     ),
+    **{
+      name: Key(
+        f"remat_policy=custom: {name} is recomputed (remat), kept on the device, or offloaded to host memory.",
+        choices=REMAT_PLACEMENTS,
+        acts_with=On("remat_policy", "custom"),
+      )
+      for name in REMAT_NAMES
+    },
   },
 }

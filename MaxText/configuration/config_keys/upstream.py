@@ -19,11 +19,6 @@ _EMERGENCY = On("enable_emergency_checkpoint", True)
 
 SECTIONS = {
   "Upstream MaxText keys": {
-    "megablox": Key(
-      "Upstream's Pallas grouped matmul for MoE; here the dropless MoE always runs jax.lax.ragged_dot.",
-      refused="the dropless MoE always runs a grouped matmul (jax.lax.ragged_dot); capacity_factor > 0 gives the "
-      "dispatch with a fixed capacity instead",
-    ),
     "use_untrainable_positional_embedding": Key(
       "Upstream's sinusoidal positions; not implemented.",
       refused="sinusoidal positions are not implemented; positions come from RoPE, or from a learned table "
