@@ -41,7 +41,9 @@ class StepContext(NamedTuple):
 
 class Objective(NamedTuple):
   """What an objective gives for a microbatch: the summed loss, its weights (the denominator of the mean), and metrics
-  summed as the loss is (each logged as its mean: value / weights)."""
+  summed as the loss is (each logged as its mean: value / weights). A metric whose mean has another denominator (a KL
+  per token where the loss is per sequence) is a pair (sum, count): both are summed over microbatches, and it is
+  logged as sum / count."""
 
   loss: jax.Array
   weights: jax.Array
