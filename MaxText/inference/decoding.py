@@ -168,7 +168,7 @@ def sampler(config, valid_vocab: int):
   return pick
 
 
-def _on_every_process(x):
+def on_every_process(x):
   """x replicated over the mesh: the rows of a batch may sit on other processes' devices, and every process reads
   the sampled tokens (to stop at end tokens, and to print)."""
   return jax.lax.with_sharding_constraint(x, PartitionSpec())
@@ -192,13 +192,13 @@ def prefill(model, pick, params, tokens, true_length, rng):
   segment_ids = (positions < true_length[:, None]).astype(jnp.int32)  # 0: padding
   logits, variables = model.apply({"params": params}, tokens, positions, segment_ids, mutable=["cache"])
   last = jnp.take_along_axis(logits, (true_length - 1)[:, None, None], axis=1)[:, 0]  # (B, V)
-  return nn.unbox(variables["cache"]), last, _on_every_process(pick(last, jax.random.fold_in(rng, 0)))
+  return nn.unbox(variables["cache"]), last, on_every_process(pick(last, jax.random.fold_in(rng, 0)))
 
 
 def decode_step(model, pick, params, cache, tokens, positions, step, rng):
   """Feeds one token per row (B,) at `positions` (B,); returns (cache, logits, next token, positions + 1, step + 1)."""
   logits, variables = model.apply({"params": params, "cache": cache}, tokens[:, None], positions[:, None], mutable=["cache"])
-  token = _on_every_process(pick(logits[:, 0], jax.random.fold_in(rng, step)))
+  token = on_every_process(pick(logits[:, 0], jax.random.fold_in(rng, step)))
   return variables["cache"], logits[:, 0], token, positions + 1, step + 1
 
 
