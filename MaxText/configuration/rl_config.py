@@ -54,7 +54,7 @@ def _check_rewards(values) -> None:
   if not values["reward_functions_path"] or not names:
     raise ConfigError(
       "use_grpo=true needs reward_functions_path (a Python file) and reward_functions (names in it, comma-separated), "
-      "e.g. reward_functions_path=MaxText/rl/example_rewards.py reward_functions=gsm8k_exact_answer"
+      "e.g. reward_functions_path=MaxText/configs/rl/gsm8k_rewards.py reward_functions=gsm8k_exact_answer"
     )
   weights = list(values["reward_weights"])
   if weights and len(weights) != len(names):

@@ -25,6 +25,11 @@ from MaxText.runtime import sharding
 def document_decoder(config, train: bool):
   """record -> document: DocumentDecoder, or with use_sft the chat samples' SftDecoder (the eval data too), or with
   use_dpo the preference pairs' DpoDecoder."""
+  if config.use_grpo:  # the objective, keys, rewards and sampler exist; the loop that feeds them to train.py does not yet
+    raise UserError(
+      "use_grpo=true: train.py does not generate GRPO's completions yet (the objective, the keys, the reward functions "
+      "and the row sampler are in place; the generation loop is not): see docs/fine_tuning.md"
+    )
   if config.use_dpo:
     return DpoDecoder(config, train)
   if config.use_sft:

@@ -309,3 +309,26 @@ def test_the_keys_nest_under_rl_as_upstreams_and_packing_and_epsilon_high_follow
   assert (config.num_generations, config.grpo_beta, config.packing) == (2, 0.0, False)
   assert config.epsilon_high == config.grpo_epsilon == 0.2
   assert [f.name for f in selection.for_config(config)] == ["grpo"]
+
+
+def test_train_py_says_in_one_line_that_the_generation_loop_is_not_there_yet(tmp_path):
+  from MaxText.tests.helpers import run_train  # pylint: disable=import-outside-toplevel
+
+  prompts = tmp_path / "prompts.jsonl"
+  prompts.write_text('{"prompt": "2+2", "answer": "#### 4"}\n')
+  result, _ = run_train(
+    tmp_path,
+    "grpo",
+    "use_grpo=true",
+    "dataset_type=hf",
+    "hf_path=json",
+    f"hf_train_files={prompts}",
+    "train_data_columns=['prompt','answer']",
+    "max_prefill_predict_length=16",
+    "reward_functions_path=MaxText/configs/rl/gsm8k_rewards.py",
+    "reward_functions=gsm8k_exact_answer",
+    "per_device_batch_size=4",
+  )
+  lines = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("Error")]
+  assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
+  assert "use_grpo=true: train.py does not generate GRPO's completions yet" in lines[0]
