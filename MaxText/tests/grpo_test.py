@@ -332,3 +332,37 @@ def test_train_py_says_in_one_line_that_the_generation_loop_is_not_there_yet(tmp
   lines = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("Error")]
   assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
   assert "use_grpo=true: train.py does not generate GRPO's completions yet" in lines[0]
+
+
+@pytest.mark.slow  # about 30 s: two train steps compiled per mode
+@pytest.mark.parametrize("agg_mode", ["sequence-mean-token-mean", "token-mean"])
+def test_a_step_with_gradient_accumulation_is_the_large_batchs(agg_mode):
+  """train_step on a GRPO batch (advantages, old log-probs) in 2 microbatches: the loss, rl/kl, rl/clip_fraction and
+  the update equal those of one microbatch (the metrics' (sum, count) pairs add over microbatches)."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  from MaxText.runtime.mesh import create_device_mesh  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.helpers import token_batch  # pylint: disable=import-outside-toplevel
+  from MaxText.training import train_step, training_setup  # pylint: disable=import-outside-toplevel
+
+  rng = np.random.default_rng(5)
+  completion = (np.arange(32) >= 20) & (np.arange(32) < 20 + rng.integers(1, 12, (8, 1)))
+  batch = token_batch(rows=8) | {"targets_segmentation": completion.astype(np.int32)}
+  batch[grpo.ADVANTAGES] = grpo.group_advantages(rng.random(8), 4)
+  batch[grpo.OLD_LOGPS] = rng.normal(-8.3, 0.3, (8, 32)).astype(np.float32)  # some ratios leave the clip range
+  results = []
+  for steps in (1, 2):
+    config = _grpo_config(
+      f"gradient_accumulation_steps={steps}", f"per_device_batch_size={8 // steps}", f"loss_agg_mode={agg_mode}"
+    )
+    mesh = create_device_mesh(config)
+    setup = training_setup.build(config, mesh)
+    state = setup.features[0].on_start(setup.init_state(config, mesh))
+    step = jax.jit(lambda s, b, setup=setup, config=config: train_step.train_step(setup.model, config, setup.features, s, b))
+    results.append(step(state, batch))
+  (one, metrics_one), (two, metrics_two) = results
+  for name in ("learning/loss", "rl/kl", "rl/clip_fraction"):
+    assert float(metrics_two[name]) == pytest.approx(float(metrics_one[name]), rel=1e-5), name
+  assert 0 < float(metrics_one["rl/clip_fraction"]) < 1
+  for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(two.params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
