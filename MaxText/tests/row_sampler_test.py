@@ -1,11 +1,12 @@
-"""inference/row_sampler.py: a prompt per row, per-row stops at end tokens, the sampled tokens' log-probs (against a
+"""generation/row_sampler.py: a prompt per row, per-row stops at end tokens, the sampled tokens' log-probs (against a
 full forward pass without the cache), and one compilation for every call of a run."""
 
 import jax
 import numpy as np
 import pytest
 
-from MaxText.inference import decoding, row_sampler
+from MaxText.generation import row_sampler
+from MaxText.inference import decoding
 from MaxText.runtime import mesh, sharding
 from MaxText.tests.helpers import tiny_config
 from MaxText.tests.tiny_models import DECODE_KEYS

@@ -2,7 +2,7 @@
 prefill and the decode step compiled once for the run's shapes and reused on every call with new params and prompts;
 each row stops at its first end token (EOS, end of turn); the log-prob of every sampled token is returned with it.
 
-It runs decoding.py's prefill and decode step: the same model, KV cache and sampling (the config's
+It runs prefill_decode.py's prefill and decode step: the same model, KV cache and sampling (the config's
 decode_sampling_* keys). Rows of different prompt lengths share the cache: each row's tokens sit at their own
 positions, and the causal mask over positions keeps a row from attending to its prompt's padding.
 """
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from MaxText.inference import decoding
+from MaxText.generation import prefill_decode
 from MaxText.runtime import sharding
 
 
@@ -39,16 +39,18 @@ class Samples:
 def _logp(logits, token, temperature):
   """(B,) log-probs of the sampled tokens (B,) under softmax(logits (B, V) / temperature), on every process."""
   logps = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
-  return decoding.on_every_process(jnp.take_along_axis(logps, token[:, None], axis=-1)[:, 0])
+  return prefill_decode.on_every_process(jnp.take_along_axis(logps, token[:, None], axis=-1)[:, 0])
 
 
 def _prefill(model, pick, temperature, params, tokens, true_length, rng):
-  cache, last, token = decoding.prefill(model, pick, params, tokens, true_length, rng)
+  cache, last, token = prefill_decode.prefill(model, pick, params, tokens, true_length, rng)
   return cache, token, _logp(last, token, temperature)
 
 
 def _step(model, pick, temperature, params, cache, tokens, positions, step, rng):
-  cache, logits, token, positions, step = decoding.decode_step(model, pick, params, cache, tokens, positions, step, rng)
+  cache, logits, token, positions, step = prefill_decode.decode_step(
+    model, pick, params, cache, tokens, positions, step, rng
+  )
   return cache, token, _logp(logits, token, temperature), positions, step
 
 
@@ -59,14 +61,14 @@ class RowSampler:
     config: the Config: its sampling keys, max_prefill_predict_length (the padded prompt) and max_target_length.
     model: the Transformer (training_setup.build's).
     mesh: the device mesh; rows are sharded as the train batch's.
-    end_ids: token ids that end a row (decoding.end_token_ids).
+    end_ids: token ids that end a row (prefill_decode.end_token_ids).
     valid_vocab: sample only ids below it (the tokenizer's vocabulary); default: all of vocab_size.
   """
 
   def __init__(self, config, model, mesh, end_ids=(), valid_vocab: int | None = None):
     self.config, self.mesh = config, mesh
     self.end_ids = np.asarray(end_ids, np.int32)
-    pick = decoding.sampler(config, valid_vocab or config.vocab_size)
+    pick = prefill_decode.sampler(config, valid_vocab or config.vocab_size)
     temperature = config.decode_sampling_temperature
     self._prefill = jax.jit(functools.partial(_prefill, model, pick, temperature))
     self._step = jax.jit(functools.partial(_step, model, pick, temperature), donate_argnums=(1,))
