@@ -367,7 +367,7 @@ def _derive_device_values(values, sources, devices):
   _set(values, sources, "micro_batch_size_to_load", micro_load)
   _set(values, sources, "global_batch_size_to_train_on", micro_train * ga)
   _set(values, sources, "global_batch_size_to_load", micro_load * ga)
-  rl_config.check_batch(values)
+  rl_config.check_batch(values, batch_shards)
   schedule = pipeline_schedule.resolve(values)
   if schedule is not None:
     pipeline_schedule.microbatch_shards(values, schedule, mesh_shape)

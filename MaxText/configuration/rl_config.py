@@ -64,8 +64,9 @@ def _check_rewards(values) -> None:
     )
 
 
-def check_batch(values) -> None:
-  """A batch holds whole groups: its rows are prompts x num_generations (after the device values are derived)."""
+def check_batch(values, batch_shards: int) -> None:
+  """A batch holds whole groups: its rows are prompts x num_generations (after the device values are derived), and
+  its prompts, loaded before generation, split over the batch shards."""
   if not values["use_grpo"]:
     return
   rows, generations = values["global_batch_size_to_train_on"], values["num_generations"]
@@ -73,4 +74,16 @@ def check_batch(values) -> None:
     raise ConfigError(
       f"use_grpo=true: the batch of {rows} rows (per_device_batch_size x devices x gradient_accumulation_steps) must "
       f"be a multiple of num_generations={generations}: each prompt's {generations} completions train together"
+    )
+  if values["global_batch_size_to_load"] != rows:
+    raise ConfigError(
+      f"use_grpo=true needs a whole per_device_batch_size (not {values['per_device_batch_size']}): every loaded row "
+      "is a completion that trains"
+    )
+  prompts = rows // generations
+  if prompts % batch_shards:
+    raise ConfigError(
+      f"use_grpo=true: the batch's {prompts} prompts ({rows} rows / num_generations={generations}) do not split over "
+      f"the {batch_shards} batch shards of the mesh: raise per_device_batch_size or gradient_accumulation_steps, or "
+      "lower num_generations"
     )

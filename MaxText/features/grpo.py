@@ -1,10 +1,11 @@
 """GRPO (use_grpo=true): the clipped policy-gradient objective on sampled completions, with group-relative advantages
 and a k3 KL penalty against a frozen reference, following TRL's GRPOTrainer.
 
-A train row holds one prompt and one sampled completion: the completion's target tokens
-have targets_segmentation 1, the prompt's and the padding's 0. Besides the usual keys the batch holds
+A train row holds one prompt and one sampled completion (grpo_rollouts.py builds the batch): the completion's target
+tokens have targets_segmentation 1, the prompt's and the padding's 0. Besides the usual keys the batch holds
   advantages (B,) float32: the row's reward standardized within its prompt's group (group_advantages);
-  old_logps (B, T) float32, when num_iterations > 1: the log-probs of the targets under the policy that sampled them.
+  old_logps (B, T) float32, when num_iterations > 1: the log-probs of the targets under the policy that sampled them
+    (the sampler's, which equal a forward pass's within 1e-5: row_sampler_test.py).
 With num_iterations = 1 the policy that sampled is the one trained, so the ratio is 1 (its value; not its gradient).
 
 Per completion token t of row i, with r = exp(logp - old_logp) (loss_algo=grpo), or for gspo-token
@@ -22,12 +23,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from MaxText import feature_protocol
-from MaxText.features import reference_model
+from MaxText.configuration import rl_config
+from MaxText.features import grpo_rollouts, reference_model
+from MaxText.features.grpo_rollouts import ADVANTAGES, OLD_LOGPS, group_advantages  # noqa: F401  # the batch's keys
+from MaxText.generation import prefill_decode
+from MaxText.runtime import sharding
 
-ADVANTAGES, OLD_LOGPS = "advantages", "old_logps"  # the batch keys GRPO adds
-ADVANTAGE_EPS = 1e-4  # TRL's: (r - mean) / (std + eps)
+ROLLOUTS, RNG = "grpo_rollouts", "grpo_rng"  # the slots: the round's train batch, the sampling key of the next round
 
 
 class Settings(NamedTuple):
@@ -50,15 +55,6 @@ class Settings(NamedTuple):
       config.grpo_beta,
       config.decode_sampling_temperature,
     )
-
-
-def group_advantages(rewards, num_generations: int) -> np.ndarray:
-  """(B,) rewards, num_generations consecutive rows per prompt -> (B,) float32 advantages: (r - the group's mean) /
-  (the group's std with Bessel's correction + 1e-4). Equal rewards in a group give advantages 0."""
-  groups = np.asarray(rewards, np.float32).reshape(-1, num_generations)
-  mean = groups.mean(axis=1, keepdims=True)
-  std = groups.std(axis=1, ddof=1, keepdims=True)
-  return ((groups - mean) / (std + np.float32(ADVANTAGE_EPS))).reshape(-1).astype(np.float32)
 
 
 def token_logps(logits, targets, temperature: float) -> jax.Array:
@@ -115,19 +111,48 @@ def loss(logps, old_logps, ref_logps, advantages, mask, settings: Settings):
 
 
 class Grpo(feature_protocol.Feature):
-  """use_grpo: GRPO's objective. The reference (reference_model.py) is kept only when grpo_beta > 0."""
+  """use_grpo: GRPO's loop and objective. Every num_iterations steps host_batch generates the completions of the
+  data's next prompts with the current params and scores them (grpo_rollouts.py); the round's batch and the sampling
+  key stay in the state's slots, so the steps between rounds, and a resumed run, train on the same rollouts. The
+  reference (reference_model.py) is kept only when grpo_beta > 0."""
 
   name = "grpo"
 
   def __init__(self, config, others):
-    self.settings = Settings.of(config)
+    prefill_decode.check_mesh(config, "use_grpo=true")
+    self.config, self.settings = config, Settings.of(config)
     self.reference = reference_model.ReferenceModel(others) if config.grpo_beta > 0 else None
+    self.reward_names = rl_config.reward_function_names(config.get_keys())
+    self.rollouts = None  # grpo_rollouts.Rollouts, built at the first round (it compiles the sampler)
 
   def slots(self, variables: dict) -> dict:
-    return self.reference.slots(variables) if self.reference else {}
+    shapes = grpo_rollouts.batch_shapes(self.config)
+    slots = {
+      ROLLOUTS: {key: jnp.zeros(shape, dtype) for key, (shape, dtype) in shapes.items()},
+      RNG: jax.random.PRNGKey(self.config.decode_sampling_seed),
+    }
+    return slots | (self.reference.slots(variables) if self.reference else {})
 
   def on_start(self, state):
     return self.reference.on_start(state) if self.reference else state
+
+  def batch_shapes(self, shapes: dict) -> dict:
+    return grpo_rollouts.batch_shapes(self.config)
+
+  def host_batch(self, state, pull, model, mesh):
+    step = int(state.step)
+    if step % self.config.num_iterations == 0:  # a round: generate from the data's next prompts
+      if self.rollouts is None:
+        self.rollouts = grpo_rollouts.Rollouts(self.config, model, mesh)
+      rng, sampling_rng = jax.random.split(state.slots[RNG])
+      prompts = {key: prefill_decode.to_host(value) for key, value in pull().items()}
+      batch = self.rollouts.batch(state.params, prompts, sampling_rng, step)
+      replicated = NamedSharding(mesh, PartitionSpec())
+      state = state.with_slot(ROLLOUTS, _on(batch, replicated)).with_slot(RNG, rng)
+    else:  # between rounds: the round's batch again
+      batch = {key: np.asarray(value) for key, value in state.slots[ROLLOUTS].items()}
+    rows = sharding.data_sharding(self.config, mesh)
+    return state, lambda: _on(batch, rows)
 
   def step_constant(self, state, train: bool):
     return self.reference.constant(state) if self.reference else None
@@ -141,4 +166,23 @@ class Grpo(feature_protocol.Feature):
       ref_logps = token_logps(reference_model.logits(ctx, constant), batch["targets"], temperature)
     mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
     total, weights, metrics = loss(logps, old_logps, ref_logps, batch[ADVANTAGES], mask, self.settings)
+    if grpo_rollouts.REWARDS in batch:  # a batch of the loop (the objective's tests give the advantages alone)
+      metrics |= self._rollout_metrics(batch, mask)
     return feature_protocol.Objective(total, weights, metrics)
+
+  def _rollout_metrics(self, batch, mask) -> dict:
+    """The rollouts' metrics, each a (sum, count) pair over the completions."""
+    tokens = jnp.sum(mask, axis=1)
+    rows = (tokens > 0).astype(jnp.float32)
+    count = jnp.sum(rows)
+    mean = lambda x: (jax.lax.stop_gradient(jnp.sum(x * rows)), count)  # pylint: disable=unnecessary-lambda-assignment
+    metrics = {"rl/reward_mean": mean(batch[grpo_rollouts.REWARDS]), "rl/reward_std": mean(batch[grpo_rollouts.REWARD_STD])}
+    metrics["rl/completion_length"] = mean(tokens)
+    for i, name in enumerate(self.reward_names):
+      metrics[f"rl/rewards/{name}"] = mean(batch[grpo_rollouts.FUNCTION_REWARDS][:, i])
+    return metrics
+
+
+def _on(batch: dict, where) -> dict:
+  """A host batch (every process holds all of it) as global arrays on `where`, in buffers of their own."""
+  return {k: jax.make_array_from_callback(v.shape, where, lambda index, v=v: v[index]) for k, v in batch.items()}
