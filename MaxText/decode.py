@@ -70,11 +70,12 @@ def main(argv: list[str]) -> list[str]:
   prompt_ids, end_of_turn = _prompt_ids(config, tokenizer)
   # pylint: disable=import-outside-toplevel
   from MaxText import max_logging
+  from MaxText.generation import prefill_decode
   from MaxText.inference import decoding
   from MaxText.runtime import jax_runtime
   from MaxText.runtime.mesh import create_device_mesh
 
-  decoding.check_prompt(config, prompt_ids)
+  prefill_decode.check_prompt(config, prompt_ids)
   max_logging.configure(config.log_all_processes)
   jax_runtime.enable_compilation_cache(config.jax_cache_dir)
   mesh = create_device_mesh(config)
@@ -84,9 +85,9 @@ def main(argv: list[str]) -> list[str]:
     from MaxText.checkpoints import serving_checkpoint  # pylint: disable=import-outside-toplevel
 
     serving_checkpoint.save(config, params, config.save_quantized_params_path)
-  end_ids = tuple(sorted({*decoding.end_token_ids(tokenizer), *end_of_turn}))
+  end_ids = tuple(sorted({*prefill_decode.end_token_ids(tokenizer), *end_of_turn}))
   result = decoding.generate(config, model, params, mesh, prompt_ids, end_ids, valid_vocab=tokenizer.vocab_size)
-  completions = [tokenizer.decode(decoding.completion(row, end_ids)) for row in result.tokens]
+  completions = [tokenizer.decode(prefill_decode.completion(row, end_ids)) for row in result.tokens]
   for text in completions:
     max_logging.log(f"Input `{config.prompt}` -> `{text}`")  # process 0 (every process computed them)
   rows, steps = result.tokens.shape[0], result.tokens.shape[1] - 1

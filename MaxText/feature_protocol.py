@@ -41,7 +41,9 @@ class StepContext(NamedTuple):
 
 class Objective(NamedTuple):
   """What an objective gives for a microbatch: the summed loss, its weights (the denominator of the mean), and metrics
-  summed as the loss is (each logged as its mean: value / weights)."""
+  summed as the loss is (each logged as its mean: value / weights). A metric whose mean has another denominator (a KL
+  per token where the loss is per sequence) is a pair (sum, count): both are summed over microbatches, and it is
+  logged as sum / count."""
 
   loss: jax.Array
   weights: jax.Array
@@ -168,6 +170,22 @@ class Feature:
     del tree
     return load(abstract_params)
 
+  def batch_shapes(self, shapes: dict) -> dict:
+    """The train step's batch as {key: (shape, dtype)}, with what this feature's host_batch changes (compiling the
+    step ahead of time traces it on these)."""
+    return shapes
+
+  def host_batch(self, state, pull: Callable[[], dict], model, mesh):
+    """Before each train step, on the host: returns (state, pull'), where pull'() gives the batch the step trains on.
+
+    pull() gives the data's next batch (or the batch of the features before this one). A feature that makes its own
+    batches calls it when it needs the data (GRPO: the prompts it generates completions of, every num_iterations
+    steps) and keeps what the steps between need in its slots, which checkpoints hold. model and mesh are the run's
+    (to generate with). Default: the batch as it comes.
+    """
+    del model, mesh
+    return state, pull
+
   def observers(self, config, params, writer, start_step: int) -> list:
     """Callables (step, scalars, nested) that the metric logger calls with each written step."""
     del config, params, writer, start_step
@@ -211,6 +229,13 @@ def collections(features, inputs: dict) -> dict:
   for feature in features:
     out.update(feature.collections(inputs[feature.name]))
   return out
+
+
+def host_batch(features, state, pull: Callable[[], dict], model, mesh):
+  """(state, the batch of the step): each feature's host_batch in order, then the batch pulled."""
+  for feature in features:
+    state, pull = feature.host_batch(state, pull, model, mesh)
+  return state, pull()
 
 
 def apply_all(features, hook: str, value, *args):

@@ -5,9 +5,9 @@
       inference_microbenchmark_loop_iters=10 inference_microbenchmark_log_file_path=results.json
 
 The params are those decode.py reads (load_parameters_path, ..., else random: the timing does not depend on them);
-the batch is per_device_batch_size x devices rows. `prefill` runs decoding.prefill on prompts of each length (all
-rows); `generate` runs decoding.decode_step with a KV cache of max_target_length slots. Each is compiled first, then
-timed over loop_iters runs. The JSON holds upstream's result names: Prefill/<length>/prefill_time_in_ms,
+the batch is per_device_batch_size x devices rows. `prefill` runs generation/prefill_decode.py's prefill on prompts of
+each length (all rows); `generate` runs its decode_step with a KV cache of max_target_length slots. Each is compiled
+first, then timed over loop_iters runs. The JSON holds upstream's result names: Prefill/<length>/prefill_time_in_ms,
 prefill_total_tflops, prefill_tflops_per_sec_per_device; AutoRegressive/step_in_ms, step_in_ms_per_seq,
 global_batch_size, total_throughput_tokens_per_second, device_bandwidth_utilization (of the memory roofline:
 decode_roofline; null where the device's bandwidth is unknown).
@@ -76,12 +76,12 @@ def prefill_results(config, model, params, pick, rows: int, length: int) -> tupl
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
-  from MaxText.inference import decoding  # pylint: disable=import-outside-toplevel
+  from MaxText.generation import prefill_decode  # pylint: disable=import-outside-toplevel
   from MaxText.training import flops  # pylint: disable=import-outside-toplevel
 
   tokens = jax.random.randint(jax.random.PRNGKey(0), (rows, length), 0, config.vocab_size, jnp.int32)
   true_length = jnp.full((rows,), length, jnp.int32)
-  step = jax.jit(functools.partial(decoding.prefill, model, pick))
+  step = jax.jit(functools.partial(prefill_decode.prefill, model, pick))
   seconds, out = _timed(step, config.inference_microbenchmark_loop_iters, params, tokens, true_length, jax.random.PRNGKey(0))
   forward = config.replace(max_target_length=length, gradient_accumulation_steps=1)
   tflops = flops.training_tflops_per_device(forward).total_tflops / 3  # the forward pass: a third of training's
@@ -99,11 +99,12 @@ def generate_results(config, model, params, pick, rows: int, length: int, prefil
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
-  from MaxText.inference import decode_roofline, decoding  # pylint: disable=import-outside-toplevel
+  from MaxText.generation import prefill_decode  # pylint: disable=import-outside-toplevel
+  from MaxText.inference import decode_roofline  # pylint: disable=import-outside-toplevel
 
   cache, _, token = prefilled
   positions, index, rng = jnp.full((rows,), length, jnp.int32), jnp.ones((), jnp.int32), jax.random.PRNGKey(0)
-  step = jax.jit(functools.partial(decoding.decode_step, model, pick), donate_argnums=(1,))
+  step = jax.jit(functools.partial(prefill_decode.decode_step, model, pick), donate_argnums=(1,))
   cache, _, token, positions, index = jax.block_until_ready(step(params, cache, token, positions, index, rng))
   iterations = config.inference_microbenchmark_loop_iters
   start = time.perf_counter()
@@ -124,6 +125,7 @@ def generate_results(config, model, params, pick, rows: int, length: int, prefil
 
 def run(config) -> dict:
   """The results of the configured stages (see the module doc)."""
+  from MaxText.generation import prefill_decode  # pylint: disable=import-outside-toplevel
   from MaxText.inference import decoding  # pylint: disable=import-outside-toplevel
   from MaxText.runtime import mesh, sharding  # pylint: disable=import-outside-toplevel
 
@@ -131,7 +133,7 @@ def run(config) -> dict:
   device_mesh = mesh.create_device_mesh(config)
   model, abstract = decoding.build(config, device_mesh)
   params = decoding.load_params(config, model, abstract, device_mesh)
-  rows, pick = config.micro_batch_size_to_load, decoding.sampler(config, config.vocab_size)
+  rows, pick = config.micro_batch_size_to_load, prefill_decode.sampler(config, config.vocab_size)
   results = {}
   with sharding.logical_context(device_mesh, config):
     for length in lengths if "prefill" in stages else []:

@@ -24,6 +24,7 @@ from MaxText.configuration import (
   config_validation,
   mesh_parallelism,
   pipeline_schedule,
+  rl_config,
 )
 from MaxText.diagnostics import numerics_config
 from MaxText.errors import ConfigError
@@ -256,6 +257,7 @@ def _derive_static(values, sources, environ):
   scaled_dims(values, sources)
   _dataset_type_from_its_keys(values, sources)
   _dpo_data(values, sources)
+  rl_config.derive_static(values, sources, _set)
   _numerics_debug(values, sources)
   _quant_rules(values, sources)
   _warn_unused_companions(values, sources)
@@ -365,6 +367,7 @@ def _derive_device_values(values, sources, devices):
   _set(values, sources, "micro_batch_size_to_load", micro_load)
   _set(values, sources, "global_batch_size_to_train_on", micro_train * ga)
   _set(values, sources, "global_batch_size_to_load", micro_load * ga)
+  rl_config.check_batch(values, batch_shards)
   schedule = pipeline_schedule.resolve(values)
   if schedule is not None:
     pipeline_schedule.microbatch_shards(values, schedule, mesh_shape)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
-from MaxText import max_logging
+from MaxText import feature_protocol, max_logging
 from MaxText.aot import compiled_step_file, hlo_ops, interconnect, roofline
 from MaxText.errors import UserError
 from MaxText.features import lora
@@ -28,11 +28,13 @@ from MaxText.training import flops, jit_steps, training_setup
 # --- this host's devices ---------------------------------------------------------------------------------------
 
 
-def abstract_batch(config, mesh) -> dict:
-  """One global train batch as jax.ShapeDtypeStructs on the data sharding: what every input pipeline yields."""
+def abstract_batch(config, mesh, features=()) -> dict:
+  """One global train batch as jax.ShapeDtypeStructs on the data sharding: what every input pipeline yields, with the
+  keys that the features' host_batch adds (each feature's batch_shapes)."""
   shape = (config.global_batch_size_to_load, config.max_target_length)
+  shapes = feature_protocol.apply_all(features, "batch_shapes", {key: (shape, jnp.int32) for key in BATCH_KEYS})
   data_sharding = sharding.data_sharding(config, mesh)
-  return {key: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=data_sharding) for key in BATCH_KEYS}
+  return {key: jax.ShapeDtypeStruct(shape, dtype, sharding=data_sharding) for key, (shape, dtype) in shapes.items()}
 
 
 def lower_train_step(setup, config, mesh):
@@ -47,7 +49,7 @@ def lower_train_step(setup, config, mesh):
   state_shardings = jax.tree.map(lambda x: x.sharding, setup.abstract_state)
   with sharding.logical_context(mesh, config):
     return jit_steps.jit_train_step(setup.model, config, setup.features, mesh, state_shardings).lower(
-      setup.abstract_state, abstract_batch(config, mesh)
+      setup.abstract_state, abstract_batch(config, mesh, setup.features)
     )
 
 
@@ -129,7 +131,12 @@ def load_compiled_train_step(setup, config, mesh):
   step = jit_steps.step_function(setup.model, config, setup.features)
   with sharding.logical_context(mesh, config):
     compiled = compiled_step_file.load(
-      config.compiled_trainstep_file, config, jax.devices(), step, setup.abstract_state, abstract_batch(config, mesh)
+      config.compiled_trainstep_file,
+      config,
+      jax.devices(),
+      step,
+      setup.abstract_state,
+      abstract_batch(config, mesh, setup.features),
     )
   max_logging.log(f"Loaded the compiled train step from {config.compiled_trainstep_file}")
   return throwing_step(config, compiled)

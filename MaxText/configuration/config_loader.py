@@ -127,8 +127,8 @@ def _config_chain(path: str, seen: tuple = ()) -> list[tuple[str, dict]]:
 
 
 # Upstream MaxText 2026 nests some keys under a mapping (`lora: {enable_lora: true, ...}` in YAML, lora.lora_rank=16
-# on its command line); here they are flat keys, and either spelling gives them.
-NESTED_MAPPINGS = ("lora",)
+# on its command line; `rl: {num_generations: 8, ...}`); here they are flat keys, and either spelling gives them.
+NESTED_MAPPINGS = ("lora", "rl")
 # Keys whose value is a mapping of other keys (their default in base.yml is {}): upstream's teacher_overrides. On the
 # command line `teacher_overrides.<key>=value` sets one entry; every layer's mapping is merged into the one below it.
 MAPPING_KEYS = ("teacher_overrides",)

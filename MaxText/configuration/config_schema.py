@@ -13,13 +13,14 @@ import sys
 import yaml
 
 from MaxText.configuration import config_loader
-from MaxText.configuration.config_keys import Key, On, data, mesh, model, run, tools, training, upstream
+from MaxText.configuration.config_keys import Key, On, data, mesh, model, rl, run, tools, training, upstream
 
 SECTIONS: dict[str, dict[str, Key]] = {
   **run.SECTIONS,
   **model.SECTIONS,
   **mesh.SECTIONS,
   **training.SECTIONS,
+  **rl.SECTIONS,
   **data.SECTIONS,
   **tools.SECTIONS,
   **upstream.SECTIONS,

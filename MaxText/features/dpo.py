@@ -4,9 +4,9 @@ A row holds one pair (input_pipeline/dpo.py): the chosen sample's response targe
 rejected one's 2. The loss is TRL's sigmoid DPO loss, with rewards beta * (log pi(response) - log ref(response)):
   -logsigmoid(r_c - r_r) * (1 - label_smoothing) - logsigmoid(r_r - r_c) * label_smoothing.
 
-The reference is the starting model. Without LoRA it is a second, untrained copy of the params in the train state
-(the `reference_params` slot, sharded as the params, outside the optimizer, saved in checkpoints so that a resumed
-run keeps it); with LoRA it is the base, the model with its adapters' B set to zero, as PEFT does.
+The reference is the starting model (reference_model.py). Without LoRA it is a second, untrained copy of the params in
+the train state (the `reference_params` slot); with LoRA it is the base, the model with its adapters' B set to zero,
+as PEFT does.
 """
 
 import jax
@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import optax
 
 from MaxText import feature_protocol
+from MaxText.features import reference_model
 
 CHOSEN, REJECTED = 1, 2  # the targets_segmentation of each sample's response tokens
-REFERENCE, REFERENCE_STATE = "reference_params", "reference_state"  # the slots
 METRICS = ("dpo/reward_accuracy", "dpo/chosen_rewards", "dpo/rejected_rewards", "dpo/margin")
 
 
@@ -45,54 +45,27 @@ def loss(policy_logps, reference_logps, batch, beta: float, label_smoothing: flo
 
 
 class Dpo(feature_protocol.Feature):
-  """use_dpo: DPO's objective against a frozen reference.
-
-  The reference is the model the run started from: where another feature can tell it from the params (LoRA's base),
-  that; else a copy of the params taken at step 0, in the `reference_params` slot. The model state that other
-  features keep beside the params (fp8's scales) is copied at step 0 too (`reference_state`), so the reference
-  computes as the starting model did while the policy's move on.
-  """
+  """use_dpo: DPO's objective against a frozen reference, the model the run started from (reference_model.py)."""
 
   name = "dpo"
 
   def __init__(self, config, others):
     self.beta, self.label_smoothing = config.dpo_beta, config.dpo_label_smoothing
-    self.others = tuple(others)
-    self.model_slots = tuple(name for f in self.others for name in f.model_state)
-
-  def _base(self, params):
-    return next((b for f in self.others if (b := f.base_params(params)) is not None), None)
+    self.reference = reference_model.ReferenceModel(others)
 
   def slots(self, variables: dict) -> dict:
-    slots = {}
-    if self._base(variables["params"]) is None:
-      slots[REFERENCE] = variables["params"]
-    if self.model_slots:
-      slots[REFERENCE_STATE] = {name: variables[name] for name in self.model_slots if name in variables}
-    return slots
+    return self.reference.slots(variables)
 
   def on_start(self, state):
-    """At step 0 (a fresh run, from load_parameters_path's params or an init) the reference becomes a copy of the
-    starting model; a resumed run keeps its checkpoint's."""
-    if int(state.step) > 0:
-      return state
-    copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))  # its own buffers: the step donates the state
-    if REFERENCE in state.slots:
-      state = state.with_slot(REFERENCE, copy(state.params))
-    if REFERENCE_STATE in state.slots:
-      state = state.with_slot(REFERENCE_STATE, copy({name: state.slots[name] for name in self.model_slots}))
-    return state
+    return self.reference.on_start(state)
 
   def step_constant(self, state, train: bool):
-    params = state.slots[REFERENCE] if REFERENCE in state.slots else self._base(state.params)
-    return {"params": params, "collections": state.slots.get(REFERENCE_STATE, {})}
+    return self.reference.constant(state)
 
   def objective(self, ctx: feature_protocol.StepContext, constant) -> feature_protocol.Objective:
-    reference = jax.tree.map(jax.lax.stop_gradient, constant)
-    reference_logits, _ = ctx.forward(reference["params"], reference["collections"], True)
     pairs_loss, pairs, metrics = loss(
       response_logps(ctx.logits, ctx.batch),
-      response_logps(reference_logits, ctx.batch),
+      response_logps(reference_model.logits(ctx, constant), ctx.batch),
       ctx.batch,
       self.beta,
       self.label_smoothing,

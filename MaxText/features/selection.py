@@ -11,6 +11,7 @@ from MaxText.features import (
   context_parallel,
   distillation,
   dpo,
+  grpo,
   lora,
   losses,
   numerics,
@@ -44,6 +45,8 @@ def for_config(config) -> tuple[feature_protocol.Feature, ...]:
     chosen.append(distillation.Distillation(config))
   if config.use_dpo:
     chosen.append(dpo.Dpo(config, others=tuple(chosen)))
+  if config.use_grpo:
+    chosen.append(grpo.Grpo(config, others=tuple(chosen)))
   schedule = pipeline_schedule.resolve(config.get_keys())
   if schedule is not None and schedule.reorders_layers:
     chosen.append(pipeline_layout.PipelineLayout(config, others=tuple(chosen)))

@@ -1,8 +1,5 @@
-"""Decoding with the training model: load its params, prefill a prompt into the KV cache, generate token by token.
-
-The model is train.py's (training_setup.build), applied with the `cache` collection mutable: each attention layer
-then keeps its keys and values in `cache/cached_key|cached_value` (layers.attentions.Attention), sharded by the
-logical axes cache_batch / cache_sequence / cache_heads / cache_kv of logical_axis_rules.
+"""decode.py's driver: build the training model, load its params (a checkpoint, LoRA's base and adapters, a serving
+checkpoint), and generate from one prompt in every row with generation/'s prefill and decode step, timed.
 """
 
 import dataclasses
@@ -18,36 +15,16 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from MaxText import max_logging
 from MaxText.checkpoints import checkpointing, serving_checkpoint
-from MaxText.configuration import pipeline_schedule
 from MaxText.errors import UserError
 from MaxText.features import lora, selection
-from MaxText.inference import sampling
-from MaxText.layers import context_parallel
+from MaxText.generation import prefill_decode
 from MaxText.runtime import sharding
 from MaxText.training import starting_state, training_setup
-
-# Tokens that end a completion besides the tokenizer's EOS (Llama 3: end of turn, end of text).
-END_TOKENS = ("<|eot_id|>", "<|end_of_text|>")
-
-
-def end_token_ids(tokenizer) -> tuple[int, ...]:
-  """The ids at which a row stops: the tokenizer's EOS and those of END_TOKENS it has."""
-  ids = {tokenizer.eos_id} | {tokenizer.token_id(t) for t in END_TOKENS}
-  return tuple(sorted(i for i in ids if i is not None and i >= 0))
 
 
 def build(config, mesh):
   """The model and its abstract, sharded params (whose memory is checked against a device's)."""
-  if context_parallel.mesh_size(config, context_parallel.AXIS) > 1:
-    raise UserError(
-      "decoding does not run with context parallelism (it trains long sequences): set ici_context_parallelism=1 and "
-      "dcn_context_parallelism=1 for decode.py; the checkpoint loads on any mesh"
-    )
-  if pipeline_schedule.stages(config.get_keys()) > 1:
-    raise UserError(
-      "decoding does not run with pipeline parallelism (it trains): set ici_pipeline_parallelism=1 and "
-      "dcn_pipeline_parallelism=1 for decode.py; a pipelined run's checkpoint loads on any mesh"
-    )
+  prefill_decode.check_mesh(config, "decode.py")
   setup = training_setup.build(config, mesh, params_only=True)
   return setup.model, setup.abstract_state.params
 
@@ -150,58 +127,6 @@ class Generation:
   generated_per_s: float
 
 
-def sampler(config, valid_vocab: int):
-  """pick(logits (B, V), rng) -> (B,) tokens: the config's sampling, over the ids below valid_vocab."""
-
-  def pick(logits, rng):
-    if valid_vocab < logits.shape[-1]:  # never sample ids the tokenizer cannot decode
-      logits = jnp.where(jnp.arange(logits.shape[-1]) < valid_vocab, logits, -jnp.inf)
-    return sampling.sample(
-      logits,
-      rng,
-      config.decode_sampling_strategy,
-      temperature=config.decode_sampling_temperature,
-      top_k=config.decode_sampling_top_k,
-      nucleus_p=config.decode_sampling_nucleus_p,
-    )
-
-  return pick
-
-
-def _on_every_process(x):
-  """x replicated over the mesh: the rows of a batch may sit on other processes' devices, and every process reads
-  the sampled tokens (to stop at end tokens, and to print)."""
-  return jax.lax.with_sharding_constraint(x, PartitionSpec())
-
-
-def _to_host(x) -> np.ndarray:
-  """The whole array on this host, also when it spans other processes' devices."""
-  if x.is_fully_addressable:
-    return np.asarray(x)
-  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-
-  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
-def prefill(model, pick, params, tokens, true_length, rng):
-  """Runs the padded prompts (B, P) through the model from an empty cache; returns (cache, last logits, first token).
-
-  Sampling draws from fold_in(rng, 0) here and fold_in(rng, i) at step i (all on the device, no eager ops).
-  """
-  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-  segment_ids = (positions < true_length[:, None]).astype(jnp.int32)  # 0: padding
-  logits, variables = model.apply({"params": params}, tokens, positions, segment_ids, mutable=["cache"])
-  last = jnp.take_along_axis(logits, (true_length - 1)[:, None, None], axis=1)[:, 0]  # (B, V)
-  return nn.unbox(variables["cache"]), last, _on_every_process(pick(last, jax.random.fold_in(rng, 0)))
-
-
-def decode_step(model, pick, params, cache, tokens, positions, step, rng):
-  """Feeds one token per row (B,) at `positions` (B,); returns (cache, logits, next token, positions + 1, step + 1)."""
-  logits, variables = model.apply({"params": params, "cache": cache}, tokens[:, None], positions[:, None], mutable=["cache"])
-  token = _on_every_process(pick(logits[:, 0], jax.random.fold_in(rng, step)))
-  return variables["cache"], logits[:, 0], token, positions + 1, step + 1
-
-
 def generate(
   config, model, params, mesh, prompt_ids, end_ids=(), valid_vocab: int | None = None, keep_logits: bool = False
 ) -> Generation:
@@ -219,7 +144,7 @@ def generate(
   """
   rows, padded = config.micro_batch_size_to_load, config.max_prefill_predict_length
   num_tokens = config.max_target_length - padded
-  pick = sampler(config, valid_vocab or config.vocab_size)
+  pick = prefill_decode.sampler(config, valid_vocab or config.vocab_size)
   rows_sharding = NamedSharding(mesh, PartitionSpec(*config.data_sharding))
   tokens = np.zeros((rows, padded), np.int32)
   tokens[:, : len(prompt_ids)] = prompt_ids
@@ -230,15 +155,17 @@ def generate(
 
   jax.block_until_ready((params, tokens, true_length))  # the prefill time excludes loading the params
   with sharding.logical_context(mesh, config):
-    compiled = jax.jit(functools.partial(prefill, model, pick)).lower(params, tokens, true_length, rng).compile()
+    compiled = (
+      jax.jit(functools.partial(prefill_decode.prefill, model, pick)).lower(params, tokens, true_length, rng).compile()
+    )
     start = time.perf_counter()
     cache, logits, token = jax.block_until_ready(compiled(params, tokens, true_length, rng))
     prefill_s = time.perf_counter() - start
 
-    step = jax.jit(functools.partial(decode_step, model, pick), donate_argnums=(1,))
+    step = jax.jit(functools.partial(prefill_decode.decode_step, model, pick), donate_argnums=(1,))
     positions, index = true_length, jnp.ones((), jnp.int32)
     step = step.lower(params, cache, token, positions, index, rng).compile()
-    sampled, all_logits = [np.asarray(token)], [_to_host(logits)] if keep_logits else None
+    sampled, all_logits = [np.asarray(token)], [prefill_decode.to_host(logits)] if keep_logits else None
     done = np.isin(sampled[0], end_ids)
     start = time.perf_counter()
     for _ in range(1, num_tokens):
@@ -248,7 +175,7 @@ def generate(
       sampled.append(np.asarray(token))  # waits for the step: the loop stops as soon as every row has ended
       done |= np.isin(sampled[-1], end_ids)
       if keep_logits:
-        all_logits.append(_to_host(logits))
+        all_logits.append(prefill_decode.to_host(logits))
     steps_s = time.perf_counter() - start
   steps = len(sampled) - 1
   return Generation(
@@ -258,19 +185,3 @@ def generate(
     step_s=steps_s / steps if steps else 0.0,
     generated_per_s=rows * steps / steps_s if steps else 0.0,
   )
-
-
-def completion(tokens, end_ids) -> list[int]:
-  """A row's tokens up to (not including) its first end token."""
-  tokens = [int(t) for t in tokens]
-  ends = [i for i, t in enumerate(tokens) if t in set(end_ids)]
-  return tokens[: ends[0]] if ends else tokens
-
-
-def check_prompt(config, prompt_ids) -> None:
-  """A UserError for a prompt that the cache cannot take."""
-  if len(prompt_ids) > config.max_prefill_predict_length:
-    raise UserError(
-      f"the prompt is {len(prompt_ids)} tokens long but max_prefill_predict_length={config.max_prefill_predict_length}; "
-      "shorten the prompt or raise max_prefill_predict_length"
-    )

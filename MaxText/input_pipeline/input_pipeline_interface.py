@@ -16,6 +16,7 @@ from MaxText.input_pipeline import embedded_corpus, grain_source, hf_source, tfd
 from MaxText.input_pipeline.batching import RowStreamBatcher, ShardStreamBatcher, WorkerRowStreamBatcher
 from MaxText.input_pipeline.documents import DocumentDecoder
 from MaxText.input_pipeline.dpo import DpoDecoder
+from MaxText.input_pipeline.grpo_prompts import GrpoPromptDecoder
 from MaxText.input_pipeline.multihost_dataloading import GlobalBatchIterator, data_shards, describe_rows, process_rows
 from MaxText.input_pipeline.sft import SftDecoder
 from MaxText.input_pipeline.synthetic import SyntheticDataIterator
@@ -23,8 +24,10 @@ from MaxText.runtime import sharding
 
 
 def document_decoder(config, train: bool):
-  """record -> document: DocumentDecoder, or with use_sft the chat samples' SftDecoder (the eval data too), or with
-  use_dpo the preference pairs' DpoDecoder."""
+  """record -> document: DocumentDecoder, or with use_sft the chat samples' SftDecoder (the eval data too), with
+  use_dpo the preference pairs' DpoDecoder, with use_grpo the prompts' GrpoPromptDecoder."""
+  if config.use_grpo:
+    return GrpoPromptDecoder(config, train)
   if config.use_dpo:
     return DpoDecoder(config, train)
   if config.use_sft:
@@ -144,7 +147,9 @@ def create_data_iterator(config, mesh):
   """The train iterator for config.dataset_type."""
   if config.dataset_type == "synthetic":
     return SyntheticDataIterator(config, mesh)
-  return _global_iterator(config, mesh, True, config.global_batch_size_to_load)
+  # GRPO loads the batch's prompts, num_generations rows each once generated (features/grpo.py).
+  rows = config.global_batch_size_to_load // (config.num_generations if config.use_grpo else 1)
+  return _global_iterator(config, mesh, True, rows)
 
 
 def create_eval_iterator(config, mesh):

@@ -34,7 +34,7 @@ def data_columns(config) -> list[str]:
   return columns
 
 
-def _as_dict(record) -> dict:
+def as_dict(record) -> dict:
   """A record as {column: value}: dicts as they are, tf.train.Example bytes by feature, raw bytes as JSON."""
   if isinstance(record, dict):
     return record
@@ -105,7 +105,7 @@ class SftDecoder:
     return self._renderer
 
   def _columns(self, record) -> list:
-    fields = _as_dict(record)
+    fields = as_dict(record)
     missing = [c for c in self.columns if c not in fields]
     if missing:
       raise UserError(

@@ -28,7 +28,9 @@ FEATURE_MODULES = re.compile(
   r"^MaxText\.(features\..*|layers\.(lora|qlora|quantizations|multi_token_prediction|context_parallel)"
   r"|diagnostics\.numerics_\w+|configuration\.pipeline_schedule)$"
 )
-FEATURE_WORDS = re.compile(r"dpo|lora|qlora|routing_bias|fp8|numerics|mtp|pipeline_layout|distill|muon|z_loss", re.I)
+FEATURE_WORDS = re.compile(
+  r"dpo|grpo|reward|lora|qlora|routing_bias|fp8|numerics|mtp|pipeline_layout|distill|muon|z_loss", re.I
+)
 
 
 def _imports(path: str) -> set[str]:

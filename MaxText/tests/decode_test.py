@@ -10,7 +10,7 @@ import pytest
 
 from MaxText import decode
 from MaxText.errors import UserError
-from MaxText.inference import decoding
+from MaxText.generation import prefill_decode
 from MaxText.tests.helpers import (
   BASE_YML,
   finish_processes,
@@ -80,7 +80,7 @@ def test_rows_stop_at_an_end_token():
   _, _, _, stopped = decode_with_logits(config, end_ids=(end,))
   first_end = list(greedy.tokens[0]).index(end)
   assert stopped.tokens.shape[1] == first_end + 1  # the loop stops once every row has ended
-  assert decoding.completion(stopped.tokens[0], (end,)) == list(greedy.tokens[0, :first_end])
+  assert prefill_decode.completion(stopped.tokens[0], (end,)) == list(greedy.tokens[0, :first_end])
 
 
 def test_end_tokens_include_llama3_end_of_turn(tmp_path):
@@ -89,7 +89,7 @@ def test_end_tokens_include_llama3_end_of_turn(tmp_path):
   ranks = tmp_path / "tokenizer.tiktoken"
   ranks.write_text("".join(f"{__import__('base64').b64encode(bytes([i])).decode()} {i}\n" for i in range(256)))
   tokenizer = TikTokenTokenizer(str(ranks), add_bos=True, add_eos=False)
-  ids = decoding.end_token_ids(tokenizer)
+  ids = prefill_decode.end_token_ids(tokenizer)
   assert tokenizer.token_id("<|eot_id|>") in ids and tokenizer.token_id("<|end_of_text|>") in ids
   assert tokenizer.eos_id in ids and len(ids) == 2  # EOS is <|end_of_text|>
 

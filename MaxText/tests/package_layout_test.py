@@ -35,6 +35,7 @@ FOLDERS = [
   "aot",
   "training",
   "features",
+  "generation",
   "hf_conversion",
   "checkpoints",
   "diagnostics",

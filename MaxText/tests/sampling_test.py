@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from MaxText.configuration import common_types
-from MaxText.inference import sampling
+from MaxText.generation import sampling
 
 _DRAWS = 4000
 

@@ -7,7 +7,7 @@ when due. The metric logger reports the steps; this loop decides when training s
 
 import time
 
-from MaxText import max_logging
+from MaxText import feature_protocol, max_logging
 from MaxText.checkpoints import checkpointing, disk_full
 from MaxText.diagnostics import loop as diagnostics_loop
 from MaxText.diagnostics import metrics_file, nonfinite, plots
@@ -55,7 +55,7 @@ class StepLoop:
     self, config, mesh, model, features, state, state_shardings, p_train_step, data_iterator, manager, goodput=None
   ):
     self.config, self.mesh, self.data_iterator, self.manager = config, mesh, data_iterator, manager
-    self.features = features
+    self.features, self.model = features, model
     self.goodput = goodput if goodput is not None else goodput_events.OFF
     self._timing = None  # (step, its start, its data wait): the open step, for goodput's step times
     self.p_train_step = p_train_step
@@ -71,7 +71,8 @@ class StepLoop:
     self.logger = metric_logger.MetricLogger(config, self.start_step, writer, observers)
     self.watcher = preemption.PreemptionWatcher(saves=manager is not None)
     self.diagnostics = diagnostics_loop.LoopDiagnostics(config, self.start_step)
-    self.batch = None
+    self.batch = None  # the data's last batch
+    self._data_wait = 0.0  # the open step's wait for it
     self.in_step = False  # while True, the state is donated to the compiled step and must not be saved
     self.out_of_data = False  # a step had no real token on any process
     self.last_saved = None  # the step of this loop's last checkpoint
@@ -124,17 +125,24 @@ class StepLoop:
       self.goodput.step(step, time.perf_counter() - started, data)
       self._timing = None
 
+  def _pull(self) -> dict:
+    """The data's next batch (with reuse_example_batch, the first one again), its wait timed."""
+    if self.batch is None or not self.config.reuse_example_batch:
+      started = time.perf_counter()
+      self.batch = next(self.data_iterator)
+      self._data_wait += time.perf_counter() - started
+    return self.batch
+
   def _train_step(self, step: int, state):
     self._end_step()
-    started, data = time.perf_counter(), 0.0
+    started, self._data_wait = time.perf_counter(), 0.0
     with self.diagnostics.step(step, state):
-      if self.batch is None or not self.config.reuse_example_batch:
-        self.batch = next(self.data_iterator)
-        data = time.perf_counter() - started
-      self._timing = (step, started, data)
+      # The features' host side decides what the step trains on (a feature may generate its batch here).
+      state, batch = feature_protocol.host_batch(self.features, state, self._pull, self.model, self.mesh)
+      self._timing = (step, started, self._data_wait)
       peer_monitor.note_step(step)
       self.in_step = True
-      state, metrics = self.p_train_step(state, self.batch)
+      state, metrics = self.p_train_step(state, batch)
       self.in_step = False
     self._note(self.logger.record(step, metrics))
     self.diagnostics.after_step(step, metrics)

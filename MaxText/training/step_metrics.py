@@ -17,6 +17,12 @@ def norm(features, tree):
   )
 
 
+def own_mean(pair) -> jax.Array:
+  """An objective's metric given as (sum, count): its mean (0 where nothing was counted)."""
+  total, count = pair
+  return total / jnp.maximum(count, 1.0)
+
+
 def metrics(config, features, state, new_state, summed, grads, finite) -> dict:
   denominator = jnp.maximum(summed.weights, 1.0)
   raw_grad_norm = norm(features, grads)
@@ -34,7 +40,7 @@ def metrics(config, features, state, new_state, summed, grads, finite) -> dict:
   for name, value in summed.terms.items():  # learning/loss includes them (what is minimised), as upstream's
     metrics[f"learning/{name}"] = value / denominator
   for name, value in summed.metrics.items():  # the objective's, as means
-    metrics[name] = value / denominator
+    metrics[name] = own_mean(value) if isinstance(value, tuple) else value / denominator
   for feature in features:
     metrics.update(feature.metrics(summed.results[feature.name]))
   if finite is not None:

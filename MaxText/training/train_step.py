@@ -188,4 +188,6 @@ def eval_step(model, config, features, state, batch):
   inputs, constants = step_inputs(features, state, batch, False)
   total_loss, aux = loss_fn(model, config, features, state.params, batch, jax.random.PRNGKey(0), False, inputs, constants)
   metrics = {"evaluation/total_loss": total_loss, "evaluation/total_weights": aux.weights}
-  return metrics | {f"evaluation/{name}": value for name, value in aux.metrics.items()}
+  for name, value in aux.metrics.items():  # summed as the loss is; a (sum, count) pair: its mean, weighted so
+    metrics[f"evaluation/{name}"] = step_metrics.own_mean(value) * aux.weights if isinstance(value, tuple) else value
+  return metrics

@@ -1,0 +1,166 @@
+"""GRPO's loop in train.py (features/grpo.py's host_batch, grpo_rollouts.py): the rollouts reused between rounds, the
+metrics, the samples file, one-line errors for bad prompts, a killed run resumed bitwise, and learning a toy task."""
+
+import json
+import signal
+
+import numpy as np
+import pytest
+
+from MaxText.tests.helpers import TRAIN_PY, build_chat_tokenizer, launch_run, read_metrics, run_train, tiny_args, write_jsonl
+
+# A toy task with a checkable answer: each prompt has one right word; the SFT data answers it one time in three.
+TASK = [
+  ("what is two plus two", "four", ("two", "maybe")),
+  ("the cat sat on the", "mat", ("dog", "far")),
+  ("how are", "you", ("no", "there")),
+  ("a dog ran", "far", ("yes", "cat")),
+]
+REWARDS = """
+def exact(prompts, completions, answer, **columns):
+  return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
+
+def length(prompts, completions, completion_ids, **columns):
+  return [len(ids) / 8 for ids in completion_ids]
+"""
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+  """{tokenizer, prompts, sft, rewards}: the chat tokenizer, the task's prompts and SFT data, the reward functions."""
+  root = tmp_path_factory.mktemp("grpo")
+  prompts = [{"prompt": p, "answer": a} for p, a, _ in TASK]
+  sft = [
+    {"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": [a, *wrong][k]}]}
+    for k in range(3)
+    for p, a, wrong in TASK
+  ]
+  (root / "rewards.py").write_text(REWARDS, encoding="utf-8")
+  return {
+    "tokenizer": build_chat_tokenizer(root / "tok"),
+    "prompts": write_jsonl(root / "prompts.jsonl", prompts, repeats=64),
+    "sft": write_jsonl(root / "sft.jsonl", sft, repeats=16),
+    "rewards": str(root / "rewards.py"),
+  }
+
+
+def grpo_args(files, *extra) -> list[str]:
+  """A GRPO run of the tiny model on the task's prompts (chat template), 8 completions: 2 prompts x 4."""
+  return [
+    "use_grpo=true",
+    "num_generations=4",
+    "per_device_batch_size=8",
+    "vocab_size=320",
+    "max_target_length=32",
+    "max_prefill_predict_length=24",
+    "train_data_columns=['prompt','answer']",
+    "use_chat_template=true",
+    f"tokenizer_path={files['tokenizer']}",
+    "dataset_type=hf",
+    "hf_path=json",
+    f"hf_train_files={files['prompts']}",
+    "enable_data_shuffling=false",
+    f"reward_functions_path={files['rewards']}",
+    "eval_interval=-1",
+    "warmup_steps_fraction=0",
+    "decode_sampling_strategy=weighted",
+    *extra,
+  ]
+
+
+@pytest.mark.slow  # about 15 s
+def test_rounds_reuse_their_rollouts_and_log_the_rewards(files, tmp_path):
+  """num_iterations=2 with 2 microbatches: steps 0 and 1 train on one round's completions (equal rewards and lengths,
+  the ratio moves off 1 at the second), step 2 samples anew; the length reward equals the logged completion length
+  (the reward function's own count, one token fewer for each completion that ended), and completions.txt holds the
+  round of step 0."""
+  args = grpo_args(files, "steps=3", "num_iterations=2", "gradient_accumulation_steps=2", "per_device_batch_size=4")
+  args += ["reward_functions=length,exact", "reward_weights=[1.0,0.0]", "grpo_samples_interval=2", "grpo_beta=0.04"]
+  result, metrics = run_train(tmp_path, "loop", *args, "enable_checkpointing=false")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert [m["step"] for m in metrics] == [0, 1, 2]
+  first, second, third = metrics
+  for key in ("rl/reward_mean", "rl/reward_std", "rl/rewards/length", "rl/rewards/exact", "rl/completion_length"):
+    assert first[key] == second[key], key
+  assert first["rl/kl"] == pytest.approx(0.0, abs=1e-6)  # the policy is the reference at step 0
+  assert first["rl/rewards/length"] == pytest.approx(first["rl/reward_mean"])
+  ended = first["rl/completion_length"] - 8 * first["rl/reward_mean"]  # the share of completions that ended
+  assert 0.0 <= ended <= 1.0 + 1e-6
+  assert third["rl/completion_length"] != first["rl/completion_length"] or third["rl/reward_std"] != first["rl/reward_std"]
+  samples = (tmp_path / "loop" / "completions.txt").read_text(encoding="utf-8")
+  assert samples.startswith("=== step 0: prompt\n<|im_start|>user\n") and "=== step 2" in samples
+
+
+def test_a_prompt_longer_than_max_prefill_predict_length_is_one_line(files, tmp_path):
+  result, _ = run_train(
+    tmp_path, "long", *grpo_args(files, "steps=1", "reward_functions=exact"), "max_prefill_predict_length=4"
+  )
+  assert result.returncode == 2, result.stderr[-2000:]
+  (line,) = [line for line in result.stderr.splitlines() + result.stdout.splitlines() if line.startswith("Error:")]
+  assert "tokens long but max_prefill_predict_length=4" in line and "what is two plus two" in line
+
+
+def _command(files, tmp_path, name, *extra) -> list[str]:
+  import sys  # pylint: disable=import-outside-toplevel
+
+  args = tiny_args(
+    f"base_output_directory={tmp_path}",
+    f"metrics_file={tmp_path / name}.jsonl",
+    *grpo_args(files, "reward_functions=exact,length", "learning_rate=1e-2", *extra),
+  )
+  return [sys.executable, TRAIN_PY, "MaxText/configs/base.yml", f"run_name={name}", *args]
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_bitwise(files, tmp_path):
+  """Killed mid-round (num_iterations=2, checkpoints every 3 steps: a resume starts between a round's steps) and
+  resumed: the losses, rewards and KL equal an uninterrupted run's bitwise (the rollouts and the key are state)."""
+  extra = ("steps=12", "checkpoint_period=3", "num_iterations=2", "grpo_beta=0.04")
+  code, stderr = launch_run(_command(files, tmp_path, "whole", *extra), 1)
+  assert code == 0, stderr[-3000:]
+  killed = _command(files, tmp_path, "killed", *extra)
+  code, stderr = launch_run(killed, 1, kill_at_step=5)
+  assert code == -signal.SIGKILL, f"the run was meant to be killed mid-way: {code} {stderr[-2000:]}"
+  code, stderr = launch_run(killed, 1)
+  assert code == 0, stderr[-3000:]
+  expected = {m["step"]: m for m in read_metrics(tmp_path / "whole.jsonl")}
+  got = {m["step"]: m for m in read_metrics(tmp_path / "killed.jsonl")}  # the resumed steps overwrite the killed ones
+  assert sorted(got) == list(range(12))
+  for key in ("learning/loss", "rl/reward_mean", "rl/kl", "rl/completion_length", "learning/grad_norm"):
+    assert [got[s][key] for s in range(12)] == [expected[s][key] for s in range(12)], key
+
+
+def _sft(files, tmp_path) -> str:
+  """The tiny model SFT'd on the task (one answer in three right); its checkpoint's params."""
+  args = [
+    "steps=60",
+    "use_sft=true",
+    "train_data_columns=['messages']",
+    f"tokenizer_path={files['tokenizer']}",
+    "vocab_size=320",
+    "max_target_length=32",
+    "per_device_batch_size=8",
+    "dataset_type=hf",
+    "hf_path=json",
+    f"hf_train_files={files['sft']}",
+    "warmup_steps_fraction=0",
+    "checkpoint_period=1000",
+  ]
+  result, _ = run_train(tmp_path, "sft", *args)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return str(tmp_path / "sft" / "checkpoints" / "59" / "items")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1])
+def test_grpo_raises_the_reward_of_an_sft_model(files, tmp_path, seed):
+  """After SFT (one answer in three right), 40 GRPO steps: the mean reward of the last 10 steps beats the first 10's
+  by at least 0.2."""
+  params = _sft(files, tmp_path)
+  args = grpo_args(files, "steps=40", "reward_functions=exact", "learning_rate=5e-3", f"decode_sampling_seed={seed}")
+  result, metrics = run_train(tmp_path, "grpo", *args, f"load_parameters_path={params}", "enable_checkpointing=false")
+  assert result.returncode == 0, result.stderr[-3000:]
+  rewards = [m["rl/reward_mean"] for m in metrics]
+  print("rewards", json.dumps(np.round(rewards, 3).tolist()))
+  assert np.mean(rewards[-10:]) >= np.mean(rewards[:10]) + 0.2, rewards
