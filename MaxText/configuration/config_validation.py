@@ -117,9 +117,7 @@ def _check_deepseek(v):
       f"({chosen * experts // groups})"
     )
   unsupported = {
-    "quantization": v["quantization"],
     "quantize_kvcache": v["quantize_kvcache"],
-    "numerics_debug_config": v["numerics_debug_config"],
     "sliding_window_size": v["sliding_window_size"],
     "fused_qkv": v["fused_qkv"],
     "rope_scaling_factor": v["rope_scaling_factor"] > 0 and v["rope_scaling_factor"],

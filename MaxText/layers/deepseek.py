@@ -67,6 +67,7 @@ class DeepSeekMoeLayer(DeepSeekDenseLayer):
       activations=tuple(cfg.mlp_activations),
       dtype=cfg.dtype,
       weight_dtype=cfg.weight_dtype,
+      gemm=self.gemm,
       name="MoeBlock_0",
     )(x, segment_ids)
 

@@ -17,7 +17,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from MaxText.layers import initializers, moe
-from MaxText.layers.linears import PLAIN, MlpBlock
+from MaxText.layers.linears import PLAIN, Gemm, MlpBlock
 from MaxText.layers.moe_experts import ExpertsConfig, routed_experts
 
 
@@ -78,6 +78,7 @@ class DeepSeekMoeBlock(nn.Module):
   activations: Sequence[str]
   dtype: str
   weight_dtype: str
+  gemm: Gemm = PLAIN  # the shared experts' (the decoder layers': quantized, tapped, adapted as the run asks)
 
   @nn.compact
   def __call__(self, x, segment_ids):
@@ -103,7 +104,7 @@ class DeepSeekMoeBlock(nn.Module):
         dtype=self.dtype,
         weight_dtype=self.weight_dtype,
         fused=False,
-        gemm=PLAIN,
+        gemm=self.gemm,
         name="shared_experts",
       )
       y = y + shared(x, deterministic=True)

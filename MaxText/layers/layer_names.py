@@ -4,12 +4,14 @@ A name is the parameter path of a module joined by dots, with the layer index wr
 and unrolled layers: the scanned params decoder/layers/self_attention/out/kernel (stacked over layers on
 param_scan_axis) and the unrolled decoder/layers_4/self_attention/out/kernel both give
 `decoder.layers.4.self_attention.out` for layer 4 (whose number, counted from 1 as TransformerEngine's, is 5).
+DeepSeek's two stacks count on: with 3 dense layers, decoder/moe_layers' block 0 is decoder.layers.3.
 Gemma 2 scans pairs of layers: its names read decoder.layers.<pair>.local... and decoder.layers.<pair>.global....
 """
 
 import dataclasses
 import re
 
+from MaxText.configuration import common_types
 from MaxText.configuration.common_types import STACK_NAMES
 
 # The dense layers' types that `layer_types` selects, from the module's own name (attention: query, key, value,
@@ -18,7 +20,7 @@ LAYER_TYPES = ("qkv", "attention_out", "fc1", "fc2")
 _TYPE_OF_MODULE = {"query": "qkv", "key": "qkv", "value": "qkv", "qkv_proj": "qkv", "out": "attention_out", "wo": "fc2"}
 _FC1 = re.compile(r"wi(_\d+)?")
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
-_UNROLLED = re.compile(r"layers_(\d+)")
+_UNROLLED = re.compile(r"(\w*layers)_(\d+)")  # layers_4, and DeepSeek's dense_layers_0, moe_layers_2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,11 +121,25 @@ def scan_axis(keys: tuple[str, ...], leaf, config) -> int | None:
   return config.param_scan_axis if len(leaf.shape) > 1 else 0
 
 
-def dotted(keys: tuple[str, ...], index: int | None = None) -> str:
-  """'decoder.layers.<index>.<rest>' for a scanned path and layer index; layers_<i> becomes layers.<i>."""
-  parts = [_UNROLLED.sub(r"layers.\1", k) for k in keys]
-  if index is not None:
-    parts[1] = f"layers.{index}"
+def stack_offsets(config) -> dict[str, int]:
+  """Each stack of blocks' first block in the model: DeepSeek's moe_layers come after its dense_layers."""
+  offsets, first = {}, 0
+  for stack, blocks in common_types.layer_stacks(
+    config.decoder_block, config.num_decoder_layers, config.first_num_dense_layers
+  ).items():
+    offsets[stack], first = first, first + blocks
+  return offsets
+
+
+def dotted(keys: tuple[str, ...], index: int | None = None, offsets: dict[str, int] | None = None) -> str:
+  """'decoder.layers.<i>.<rest>' for a scanned path and its index in the stack, or for <stack>_<index>: i counts the
+  model's blocks, from the stack's offset (stack_offsets; none: 0)."""
+  parts = list(keys)
+  if len(parts) > 1:
+    unrolled = _UNROLLED.fullmatch(parts[1])
+    stack, index = (unrolled.group(1), int(unrolled.group(2))) if unrolled else (parts[1], index)
+    if index is not None and stack in STACK_NAMES:
+      parts[1] = f"layers.{(offsets or {}).get(stack, 0) + index}"
   return ".".join(parts)
 
 
@@ -136,7 +152,7 @@ def dense_layers(params, config) -> list[DenseLayer]:
     params: the params tree (arrays or jax.ShapeDtypeStructs).
     config: the Config (scan_layers, param_scan_axis).
   """
-  layers = []
+  layers, offsets = [], stack_offsets(config)
   for keys, leaf in flatten(params):
     if keys[-1] != "kernel":
       continue
@@ -144,9 +160,9 @@ def dense_layers(params, config) -> list[DenseLayer]:
     axis = scan_axis(keys, leaf, config)
     if axis is not None:
       shape = tuple(d for i, d in enumerate(leaf.shape) if i != axis)
-      layers += [DenseLayer(dotted(module, i), module, i, shape) for i in range(leaf.shape[axis])]
+      layers += [DenseLayer(dotted(module, i, offsets), module, i, shape) for i in range(leaf.shape[axis])]
     else:
-      layers.append(DenseLayer(dotted(module), module, None, tuple(leaf.shape)))
+      layers.append(DenseLayer(dotted(module, offsets=offsets), module, None, tuple(leaf.shape)))
   return sorted(layers, key=lambda layer: (layer.number is None, layer.number or 0))
 
 
@@ -155,11 +171,11 @@ def param_names(params, config) -> list[str]:
 
   e.g. decoder.layers.3.mlp.wi_0.kernel; nonfinite.locate reports params and gradients by these names.
   """
-  names = []
+  names, offsets = [], stack_offsets(config)
   for keys, leaf in flatten(params):
     axis = scan_axis(keys, leaf, config)
     if axis is not None:
-      names += [dotted(keys, i) for i in range(leaf.shape[axis])]
+      names += [dotted(keys, i, offsets) for i in range(leaf.shape[axis])]
     else:
-      names.append(dotted(keys))
+      names.append(dotted(keys, offsets=offsets))
   return names

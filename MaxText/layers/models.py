@@ -219,10 +219,8 @@ class Decoder(nn.Module):
     return y
 
   def _recipe_tables(self, stack: str):
-    """Each layer's quantization recipe, which its dense modules switch on (the one-stack families); None: none."""
-    if stack != "layers":
-      return None
-    return quantizations.layer_tables(self.gemm.quant, self.variables["params"]["layers"])
+    """Each layer's quantization recipe, which its dense modules switch on; None: none."""
+    return quantizations.layer_tables(self.gemm.quant, stack, self.variables["params"][stack])
 
   def _pipelined(self, schedule, stack: str, y, positions, segment_ids, deterministic: bool):
     """The stack through the pipeline (pipeline.py), its model collections with it, its statistics sown as the

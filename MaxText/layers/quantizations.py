@@ -94,7 +94,8 @@ class Quantization:
   Attributes:
     numerics: the run's parsed numerics debug YAML (config.numerics_debug), whose gemm_precision(name, gemm)
       chooses each GEMM's recipe.
-    scanned_blocks: the scanned stack's length (0: unrolled layers).
+    stacks: the decoder's stacks of blocks, ((name, first block in the model, blocks), ...) in order (DeepSeek has
+      two); scanned: whether they are scanned (decoder/<name>) or unrolled (decoder/<name>_<i>).
     weight_rules: intmp's per-layer kernel settings (quant_cfg_path); None for the other modes.
     wgrad_shards: int8's wgrad: the batch axis in that many parts with their own scales; 0: wgrad high precision.
   """
@@ -103,7 +104,8 @@ class Quantization:
   fp8_current_scaling: bool
   amax_history_length: int
   numerics: object
-  scanned_blocks: int
+  stacks: tuple[tuple[str, int, int], ...]
+  scanned: bool
   weight_rules: quant_rules.QuantRules | None = None
   wgrad_shards: int = 1
 
@@ -139,26 +141,39 @@ class Quantization:
     `name`: decoder.layers.3.mlp.wo is decoder/layers/mlp/wo when scanned, decoder/layers_3/mlp/wo when not."""
     parts = name.split(".")
     if parts[1:2] == ["layers"] and len(parts) > 2 and parts[2].isdigit():
-      parts = parts[:2] + parts[3:] if self.scanned_blocks else [parts[0], f"layers_{parts[2]}", *parts[3:]]
+      block = int(parts[2])
+      stack, first = next(((n, f) for n, f, blocks in self.stacks if f <= block < f + blocks), ("layers", 0))
+      parts = [parts[0], stack if self.scanned else f"{stack}_{block - first}", *parts[3:]]
     return "/".join(parts)
+
+  @property
+  def _offsets(self) -> dict[str, int]:
+    return {name: first for name, first, _ in self.stacks}
+
+  def _scanned_blocks(self, module_path: tuple[str, ...]) -> int:
+    """The blocks of the scanned stack that module_path is in (decoder/<stack>/...); 0 outside one."""
+    if not self.scanned or module_path[:1] != ("decoder",):
+      return 0
+    return next((blocks for name, _, blocks in self.stacks if module_path[1:2] == (name,)), 0)
 
   def layer_recipes(self, module_path: tuple[str, ...]) -> tuple[list[Recipe], list[int]]:
     """(the distinct recipes of a dense module, the index in them of each layer it runs for).
 
     A module of the scanned stack (decoder/layers/...) runs for every layer; any other module for itself.
     """
-    if self.scanned_blocks and module_path[:2] == ("decoder", "layers"):
-      recipes = [self.recipe(layer_names.dotted(module_path, i)) for i in range(self.scanned_blocks)]
+    blocks = self._scanned_blocks(module_path)
+    if blocks:
+      recipes = [self.recipe(layer_names.dotted(module_path, i, self._offsets)) for i in range(blocks)]
     else:
-      recipes = [self.recipe(layer_names.dotted(module_path))]
+      recipes = [self.recipe(layer_names.dotted(module_path, offsets=self._offsets))]
     distinct = sorted(set(recipes))
     return distinct, [distinct.index(r) for r in recipes]
 
   def quantizes(self, module_path: tuple[str, ...]) -> bool:
     """Whether a dense module is one of the decoder layers' (quantized unless the YAML says otherwise)."""
-    if self.scanned_blocks and module_path[:2] == ("decoder", "layers"):
+    if self._scanned_blocks(module_path):
       return True
-    return layer_names.layer_number(layer_names.dotted(module_path)) is not None
+    return layer_names.layer_number(layer_names.dotted(module_path, offsets=self._offsets)) is not None
 
 
 def from_config(config) -> Quantization | None:
@@ -170,27 +185,35 @@ def from_config(config) -> Quantization | None:
     fp8_current_scaling=config.fp8_scaling == "current",
     amax_history_length=config.fp8_amax_history_length,
     numerics=config.numerics_debug,
-    scanned_blocks=common_types.num_blocks(config.decoder_block, config.num_decoder_layers) if config.scan_layers else 0,
+    stacks=tuple(
+      (name, first, blocks)
+      for (name, blocks), first in zip(
+        common_types.layer_stacks(config.decoder_block, config.num_decoder_layers, config.first_num_dense_layers).items(),
+        layer_names.stack_offsets(config).values(),
+      )
+    ),
+    scanned=config.scan_layers,
     weight_rules=config.quant_rules,
     wgrad_shards=quant_rules.wgrad_parts(config.quantization_local_shard_count, config.num_slices),
   )
 
 
-def layer_tables(quant: Quantization | None, block_params) -> dict | None:
-  """The `quantization` collection of the scanned stack: for each dense module whose layers differ, the index of
+def layer_tables(quant: Quantization | None, stack: str, block_params) -> dict | None:
+  """The `quantization` collection of a scanned stack: for each dense module whose layers differ, the index of
   each layer's recipe (int32, stacked on axis 0); None when no module needs one.
 
   Args:
     quant: the Quantization.
-    block_params: the scanned stack's params (decoder/layers), arrays or shapes.
+    stack: the stack's name (decoder/<stack>).
+    block_params: the scanned stack's params (decoder/<stack>), arrays or shapes.
   """
-  if quant is None or not quant.scanned_blocks:
+  if quant is None or not quant.scanned:
     return None
   tables = {}
   for keys, _ in layer_names.flatten(nn.unbox(block_params)):
     if keys[-1] != "kernel":
       continue
-    distinct, indices = quant.layer_recipes(("decoder", "layers", *keys[:-1]))
+    distinct, indices = quant.layer_recipes(("decoder", stack, *keys[:-1]))
     if len(distinct) > 1:
       node = tables
       for key in keys[:-1]:

@@ -14,7 +14,7 @@ import pytest
 from MaxText.checkpoints import layer_stacking, params_layout
 from MaxText.errors import ConfigError
 from MaxText.features import losses, selection
-from MaxText.layers import models, moe
+from MaxText.layers import layer_names, models, moe
 from MaxText.layers.multi_token_prediction import MTP_LOGITS
 from MaxText.runtime import mesh
 from MaxText.tests.helpers import tiny_config
@@ -144,7 +144,7 @@ def test_flops_count_latent_attention_and_the_active_experts():
     (["topk_routing_group=5"], "topk_routing_group=5 must not exceed n_routing_groups=4"),
     (["num_experts_per_tok=5", "topk_routing_group=2"], "num_experts_per_tok=5 exceeds the experts of"),
     (["first_num_dense_layers=4"], "first_num_dense_layers=4 must not exceed base_num_decoder_layers=3"),
-    (["quantization=int8"], "quantization=int8 is not supported with decoder_block=deepseek"),
+    (["quantize_kvcache=true"], "quantize_kvcache=True is not supported with decoder_block=deepseek"),
     (["sliding_window_size=8"], "sliding_window_size=8 is not supported with decoder_block=deepseek"),
     (["decoder_block=llama2"], "rope_type=yarn is for multi-head latent attention (decoder_block=deepseek)"),
   ],
@@ -152,6 +152,22 @@ def test_flops_count_latent_attention_and_the_active_experts():
 def test_config_mistakes_are_one_line(args, message):
   with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
     tiny_config(*DEEPSEEK, *args)
+
+
+@pytest.mark.parametrize("scan", ["true", "false"])
+def test_both_stacks_layers_are_named_in_model_order_and_quantized(scan):
+  """decoder/moe_layers' blocks follow decoder/dense_layers' in the layer names (numerics statistics, quant_cfg_path,
+  the non-finite report), and fp8 quantizes the dense layers of both stacks."""
+  config = tiny_config(*DEEPSEEK, "quantization=fp8", f"scan_layers={scan}")
+  _, state = _state(config)
+  names = {layer.name for layer in layer_names.dense_layers(state.params, config)}
+  assert {layer_names.layer_number(name) for name in names} == {1, 2, 3, None}  # None: the logits, outside the layers
+  assert "decoder.layers.2.MoeBlock_0.shared_experts.wo" in names and "decoder.layers.0.mlp.wo" in names
+  scales = state.slots["fp8_meta"]["decoder"]
+  stacks = {"dense_layers", "moe_layers"} if scan == "true" else {"dense_layers_0", "moe_layers_0", "moe_layers_1"}
+  assert set(scales) == stacks, set(scales)
+  last = scales["moe_layers" if scan == "true" else "moe_layers_1"]
+  assert "out" in last["self_attention"] and "wo" in last["MoeBlock_0"]["shared_experts"]  # the shared experts too
 
 
 # ----------------------------------------------------------------------------- multi-token prediction

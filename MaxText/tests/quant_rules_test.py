@@ -113,7 +113,7 @@ def test_local_shard_count_gives_each_part_of_the_batch_its_own_wgrad_scales():
   g = jax.random.normal(jax.random.PRNGKey(2), (2, 8, 32))
 
   def wgrad(shards, rows):
-    quant = quantizations.Quantization("int8", False, 16, make_quantization("int8").numerics, 0, None, shards)
+    quant = quantizations.Quantization("int8", False, 16, make_quantization("int8").numerics, (), False, None, shards)
     gemm = functools.partial(quantizations._gemm, quant, quant.recipe("decoder.layers.0.mlp.wo"), None, dims=GEMM_DIMS)  # pylint: disable=protected-access
     return jax.vjp(lambda k: gemm(x[rows], k), kernel)[1](g[rows])[0]
 

@@ -256,7 +256,8 @@ def make_quantization(mode, numerics=None, scanned_blocks=0):
   from MaxText.diagnostics import numerics_config  # pylint: disable=import-outside-toplevel
 
   numerics = numerics_config.NumericsDebugConfig() if numerics is None else numerics
-  return quantizations.Quantization(mode, False, 1024, numerics, scanned_blocks)
+  stacks = (("layers", 0, scanned_blocks),) if scanned_blocks else ()
+  return quantizations.Quantization(mode, False, 1024, numerics, stacks, scanned=bool(scanned_blocks))
 
 
 def gemm_and_grads(gemm):
