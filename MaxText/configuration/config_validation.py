@@ -122,8 +122,6 @@ def _check_deepseek(v):
     "fused_qkv": v["fused_qkv"],
     "rope_scaling_factor": v["rope_scaling_factor"] > 0 and v["rope_scaling_factor"],
     "rope_linear_scaling_factor": v["rope_linear_scaling_factor"] != 1 and v["rope_linear_scaling_factor"],
-    "ici_context_parallelism": v["ici_context_parallelism"] != 1 and v["ici_context_parallelism"],
-    "dcn_context_parallelism": v["dcn_context_parallelism"] != 1 and v["dcn_context_parallelism"],
   }
   for key, value in unsupported.items():
     if value:

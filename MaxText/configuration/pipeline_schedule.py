@@ -24,7 +24,6 @@ from MaxText.errors import ConfigError
 # Families whose layers cannot go through the pipeline, and why (one line each).
 UNSUPPORTED_BLOCKS = {
   "gemma2": "its stack holds (local, global) layer pairs, not single layers",
-  "deepseek": "its decoder is two stacks (dense and MoE layers), and the pipeline runs one",
 }
 
 
@@ -37,10 +36,13 @@ class Schedule:
     microbatches: each (gradient-accumulation) microbatch's rows are cut into this many pipeline microbatches.
     repeats: times a microbatch goes round the stages.
     layers_per_stage: consecutive layers a stage runs per repeat.
-    pipelined_layers: the first layers, which go through the pipeline (stages x repeats x layers_per_stage).
-    num_layers: all decoder layers.
+    pipelined_layers: the stack's first layers, which go through the pipeline (stages x repeats x layers_per_stage).
+    num_layers: the pipelined stack's layers (blocks).
     delay: iterations between one stage's output and the next stage's use of it (2 with
       pipeline_delay_activation_forwarding).
+    stack: the stack of blocks that is pipelined, the model's last (decoder/<stack>): DeepSeek's moe_layers.
+    first_block: the blocks of the stacks before it (DeepSeek's dense layers), which run before the pipeline with
+      stage as data parallelism.
   """
 
   stages: int
@@ -50,6 +52,8 @@ class Schedule:
   pipelined_layers: int
   num_layers: int
   delay: int = 1
+  stack: str = "layers"
+  first_block: int = 0
 
   @property
   def iterations(self) -> int:
@@ -64,6 +68,8 @@ class Schedule:
   def line(self) -> str:
     after = self.num_layers - self.pipelined_layers
     rest = f"; the last {after} layers run after it with stage as data parallelism" if after else ""
+    if self.first_block:
+      rest += f"; the first {self.first_block} layers run before it with stage as data parallelism"
     delayed = ", activations forwarded a step late" if self.delay > 1 else ""
     return (
       f"Pipeline: {self.stages} stages, {self.microbatches} microbatches, {self.repeats} repeats, "
@@ -121,12 +127,16 @@ def resolve(values) -> "Schedule | None":
   context = values["ici_parallelism"][list(values["mesh_axes"]).index("context")] if "context" in values["mesh_axes"] else 1
   if context > 1:
     raise ConfigError("context parallelism with pipeline parallelism is not supported yet; use ici_context_parallelism=1")
-  layers = common_types.num_blocks(block, values["num_decoder_layers"])
+  stacks = common_types.layer_stacks(block, values["num_decoder_layers"], values["first_num_dense_layers"])
+  stack, layers = list(stacks.items())[-1]  # the last stack is pipelined; those before it run before the pipeline
   pipelined = values["pipeline_parallel_layers"]
   if pipelined == -1:
     pipelined = layers
   if pipelined > layers:
-    raise ConfigError(f"pipeline_parallel_layers={pipelined} is more than the model's {layers} layers")
+    whose = (
+      f"the model's {layers} layers" if len(stacks) == 1 else f"the {layers} layers of decoder/{stack}, the pipelined stack"
+    )
+    raise ConfigError(f"pipeline_parallel_layers={pipelined} is more than {whose}")
   per_stage = values["num_layers_per_pipeline_stage"]
   repeats = values["num_pipeline_repeats"]
   if repeats == -1:
@@ -161,7 +171,7 @@ def resolve(values) -> "Schedule | None":
       f"num_pipeline_microbatches={micro} does not divide {per} (per_device_batch_size x devices); make the rows a "
       "multiple of the microbatches"
     )
-  return Schedule(n, micro, repeats, per_stage, pipelined, layers, delay)
+  return Schedule(n, micro, repeats, per_stage, pipelined, layers, delay, stack, sum(stacks.values()) - layers)
 
 
 def microbatch_shards(values, schedule: Schedule, mesh_shape: dict) -> None:

@@ -21,7 +21,6 @@ import numpy as np
 
 from MaxText import feature_protocol
 from MaxText.configuration import pipeline_schedule
-from MaxText.configuration.common_types import STACK_NAMES
 from MaxText.layers import models
 
 
@@ -30,10 +29,11 @@ def _schedule(config):
   return schedule if schedule is not None and schedule.reorders_layers else None
 
 
-def _in_stack(path) -> bool:
-  """Whether a state leaf belongs to a layer stack (decoder/<stack>/..., in the params or the optimizer state)."""
+def _in_stack(path, stack: str) -> bool:
+  """Whether a state leaf belongs to the pipelined stack (decoder/<stack>/..., in the params, the optimizer state or
+  a model collection)."""
   keys = [getattr(k, "key", None) for k in path]
-  return any(a == "decoder" and b in STACK_NAMES for a, b in zip(keys, keys[1:]))
+  return any(a == "decoder" and b == stack for a, b in zip(keys, keys[1:]))
 
 
 @functools.cache
@@ -48,11 +48,13 @@ def _layer_axis(path, x, scan_axis: int) -> int:
   return 0 if x.ndim < 2 or names & set(models.STACKED_COLLECTIONS) else scan_axis
 
 
-def _reordered(tree, order: tuple[int, ...], scan_axis: int):
+def _reordered(tree, order: tuple[int, ...], scan_axis: int, stack: str):
   def one(path, x):
-    if not _in_stack(path) or not hasattr(x, "sharding"):
+    if not _in_stack(path, stack) or not hasattr(x, "sharding"):
       return x
-    return _reorder(order, _layer_axis(path, x, scan_axis), x.sharding)(x)
+    # One at a time: the transient copy is one array, and on XLA:CPU two reorders in flight can interleave their
+    # collective-permutes across the devices' threads and deadlock (seen with DeepSeek's many stacked arrays).
+    return jax.block_until_ready(_reorder(order, _layer_axis(path, x, scan_axis), x.sharding)(x))
 
   return jax.tree_util.tree_map_with_path(one, tree)
 
@@ -62,7 +64,7 @@ def to_memory(state, config):
   schedule = _schedule(config)
   if schedule is None:
     return state
-  return _reordered(state, schedule.memory_order(), config.param_scan_axis)
+  return _reordered(state, schedule.memory_order(), config.param_scan_axis, schedule.stack)
 
 
 def to_logical(state, config):
@@ -70,7 +72,7 @@ def to_logical(state, config):
   schedule = _schedule(config)
   if schedule is None:
     return state
-  return _reordered(state, tuple(np.argsort(schedule.memory_order()).tolist()), config.param_scan_axis)
+  return _reordered(state, tuple(np.argsort(schedule.memory_order()).tolist()), config.param_scan_axis, schedule.stack)
 
 
 class PipelineLayout(feature_protocol.Feature):

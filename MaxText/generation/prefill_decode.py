@@ -31,12 +31,12 @@ def check_mesh(config, who: str) -> None:
   """A UserError for a mesh that generation does not run on (`who`: what generates, e.g. "decode.py")."""
   if context_parallel.mesh_size(config, context_parallel.AXIS) > 1:
     raise UserError(
-      f"generation does not run with context parallelism (it trains long sequences): set ici_context_parallelism=1 "
+      f"decoding does not run with context parallelism (it trains long sequences): set ici_context_parallelism=1 "
       f"and dcn_context_parallelism=1 for {who}; the checkpoint loads on any mesh"
     )
   if pipeline_schedule.stages(config.get_keys()) > 1:
     raise UserError(
-      f"generation does not run with pipeline parallelism (it trains): set ici_pipeline_parallelism=1 and "
+      f"decoding does not run with pipeline parallelism (it trains): set ici_pipeline_parallelism=1 and "
       f"dcn_pipeline_parallelism=1 for {who}; a pipelined run's checkpoint loads on any mesh"
     )
 

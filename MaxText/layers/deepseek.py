@@ -5,7 +5,7 @@ The two kinds of layer have different params, so the decoder runs them as two st
 `moe_layers` (common_types.SPLIT_STACKS; upstream MaxText's checkpoint names).
 """
 
-from MaxText.layers import block_parts, mla, moe
+from MaxText.layers import block_parts, context_parallel, mla, moe
 from MaxText.layers.deepseek_moe import DeepSeekMoeBlock
 from MaxText.layers.llama2 import LlamaDecoderLayer
 
@@ -35,6 +35,7 @@ def latent_attention(config, gemm) -> mla.MLA:
     attention_kernel=config.attention,
     cache_length=config.max_target_length,
     gemm=gemm,
+    layout=context_parallel.from_config(config),
     dtype=config.dtype,
     weight_dtype=config.weight_dtype,
     name="self_attention",

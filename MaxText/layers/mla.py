@@ -31,12 +31,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText.layers import initializers
-from MaxText.layers.attention_masks import attention_mask, cache_mask
-from MaxText.layers.attentions import masked_attention
+from MaxText.layers import context_parallel, initializers
+from MaxText.layers.attention_masks import cache_mask
+from MaxText.layers.attentions import dot_product_attention, masked_attention
 from MaxText.layers.flash_attention import flash_attention
 from MaxText.layers.linears import DenseGeneral, Gemm
 from MaxText.layers.normalizations import RMSNorm
+from MaxText.layers.ring_attention import sharded_ring_attention
 
 # The kernels MLA runs over a whole sequence; both take a value head dim that differs from the query's.
 ATTENTION_KERNELS = ("dot_product", "flash")
@@ -166,6 +167,8 @@ class MLA(nn.Module):
   dtype: str
   weight_dtype: str
   rope_interleave: bool = True  # transformers' DeepseekV3Config.rope_interleave (default True)
+  # How the sequence is laid out over the devices (context parallelism), as Attention's; from the config.
+  layout: context_parallel.ContextParallel = context_parallel.NONE
 
   def __post_init__(self):
     if self.attention_kernel not in ATTENTION_KERNELS:
@@ -260,10 +263,10 @@ class MLA(nn.Module):
       k_rope = jnp.broadcast_to(k_rope, (*k_nope.shape[:3], self.qk_rope_head_dim))
       key = checkpoint_name(jnp.concatenate([k_nope, k_rope], axis=-1), "key_proj")  # (B, T, N, Dqk)
       value = checkpoint_name(value, "value_proj")  # (B, T, N, Dv)
-      if self.attention_kernel == "flash":
-        out = flash_attention(query, key, value, segment_ids)
-      else:
-        out = masked_attention(query, key, value, attention_mask(segment_ids))
+      kernel = flash_attention if self.attention_kernel == "flash" else dot_product_attention
+      if self.layout.ring:  # context parallelism's ring strategy (the config allows it with dot_product only)
+        kernel = sharded_ring_attention
+      out = kernel(query, key, value, segment_ids, layout=self.layout)
     out = checkpoint_name(out, "context")  # (B, T, N, Dv)
     out = dense(x.shape[-1], ("heads", "kv", "embed"), axis=(-2, -1), name="out")(out)
     return checkpoint_name(out, "out_proj")

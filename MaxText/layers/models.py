@@ -59,6 +59,10 @@ STACKED_COLLECTIONS = {
   quantizations.TABLE_COLLECTION: 0,
 }
 
+# The layer axis of a stack that runs before the pipelined one (DeepSeek's dense layers): not split over stage, which
+# splits the pipelined stack's (base.yml's rule for "layers"); no rule names it, so every stage holds all its layers.
+UNPIPELINED_LAYERS = "unpipelined_layers"
+
 # The collections a pipelined stack takes with its params (the others are outputs: sown statistics, KV caches).
 _INPUTS = ("params", linears.TAP_COLLECTION, quantizations.FP8_COLLECTION)
 
@@ -194,11 +198,18 @@ class Decoder(nn.Module):
 
   def _stack(self, stack: str, blocks: int, offset: int, y, positions, segment_ids, deterministic: bool):
     """One stack: scanned as decoder/<stack> (params stacked on param_scan_axis), or unrolled as <stack>_i."""
-    cfg = self.config
-    block = self._block_stack(stack, cfg.scan_layers)
-    schedule = pipeline_schedule.resolve(cfg.get_keys())
+    schedule = pipeline_schedule.resolve(self.config.get_keys())
+    if schedule is not None and stack != schedule.stack:  # a stack before the pipelined one: stage as data too
+      with nn.logical_axis_rules(pipeline.stage_as_data(nn.get_logical_axis_rules())):
+        return self._scanned(stack, blocks, offset, y, positions, segment_ids, deterministic, UNPIPELINED_LAYERS)
     if schedule is not None and not self.is_initializing():
       return self._pipelined(schedule, stack, y, positions, segment_ids, deterministic)
+    return self._scanned(stack, blocks, offset, y, positions, segment_ids, deterministic, "layers")
+
+  def _scanned(self, stack: str, blocks: int, offset: int, y, positions, segment_ids, deterministic: bool, axis: str):
+    """The stack scanned (or unrolled), its layer axis named `axis` (the logical axis that shards it)."""
+    cfg = self.config
+    block = self._block_stack(stack, cfg.scan_layers)
     if not cfg.scan_layers:
       for i in range(blocks):
         y = block(config=cfg, gemm=self.gemm, name=f"{stack}_{i}")(y, positions, segment_ids, deterministic, offset + i)
@@ -209,7 +220,7 @@ class Decoder(nn.Module):
       split_rngs={"params": True, "dropout": True},
       in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0),
       length=blocks,
-      metadata_params={nn.PARTITION_NAME: "layers"},
+      metadata_params={nn.PARTITION_NAME: axis},
     )
     tables = None if self.is_initializing() else self._recipe_tables(stack)
     if tables is not None:  # each layer's quantization recipe, which its dense modules switch on

@@ -65,7 +65,7 @@ def _rules_without(rules, drop: tuple[str, ...]):
   return tuple(out)
 
 
-def _stage_as_data(rules):
+def stage_as_data(rules):
   """Logical axis rules where the batch axes also split over stage, last (for the layers after the pipeline)."""
   out = []
   for name, target in rules:
@@ -155,7 +155,7 @@ def run(schedule: Schedule, layer, variables: dict, x, positions, segment_ids, d
     return y, None if sown is None else join_stack(sown, None, schedule)
   after = {"params": after, **{name: tree for name, (_, tree) in others.items()}}
   rng = jax.random.fold_in(rng, schedule.iterations)  # no iteration of the pipeline has this key
-  with nn.logical_axis_rules(_stage_as_data(nn.get_logical_axis_rules())):
+  with nn.logical_axis_rules(stage_as_data(nn.get_logical_axis_rules())):
     y, sown_after = _layers_after(schedule, layer, after, y, positions, segment_ids, deterministic, rng, sow)
   return y, None if sown is None else join_stack(sown, sown_after, schedule)
 
@@ -178,7 +178,7 @@ def _apply_layers(layer, variables, x, positions, segment_ids, deterministic: bo
 def _layers_after(schedule: Schedule, layer, after, x, positions, segment_ids, deterministic: bool, rng, sow: bool):
   """The layers after the pipelined ones, on every stage, the batch split over stage too."""
   x = nn.with_logical_constraint(x, MICROBATCH_AXES[1:])
-  indices = schedule.pipelined_layers + jnp.arange(schedule.num_layers - schedule.pipelined_layers)
+  indices = schedule.first_block + schedule.pipelined_layers + jnp.arange(schedule.num_layers - schedule.pipelined_layers)
   return _apply_layers(layer, after, x, positions, segment_ids, deterministic, indices, rng, sow)
 
 
@@ -204,7 +204,7 @@ def _pipeline(schedule: Schedule, layer, pipe, x, positions, segment_ids, determ
     variables = {
       name: jax.tree.map(lambda w: w[:, slot], tree) if name in per_use else tree for name, tree in variables.items()
     }
-    indices = (repeat * stages + stage_id) * per_stage + jnp.arange(per_stage)
+    indices = schedule.first_block + (repeat * stages + stage_id) * per_stage + jnp.arange(per_stage)
     y, new = _apply_layers(layer, variables, h, pos, seg, deterministic, indices, key, sow)
     if sow:
       mb = item % micro

@@ -65,7 +65,8 @@ def ring_attention(
 
   Args:
     query: (b, c, Nq, D) local queries, already scaled by 1/sqrt(D).
-    key, value: (b, c, Nkv, D) local keys/values, Nq a multiple of Nkv (grouped-query attention).
+    key, value: (b, c, Nkv, D) and (b, c, Nkv, Dv) local keys/values, Nq a multiple of Nkv (grouped-query
+      attention); Dv may differ from D (multi-head latent attention).
     segment_ids: (b, c) packed-segment ids of the local tokens (0 = padding).
     token_index: (b, c) int, the original position of each local token in the whole sequence.
     axis_name: the mesh axis the sequence is sharded over (manual in the enclosing shard_map). Other manual axes
@@ -75,7 +76,7 @@ def ring_attention(
     logits_soft_cap: > 0 caps the logits with soft_cap before masking.
     float32_logits: logits and softmax statistics in float32.
   Returns:
-    (b, c, Nq, D) in query's dtype.
+    (b, c, Nq, Dv) in query's dtype.
   """
   options = (axis_name, sliding_window, logits_soft_cap, float32_logits)
   return _ring_attention(query, key, value, segment_ids, token_index, options)
@@ -115,7 +116,7 @@ def _forward(query, key, value, segment_ids, token_index, options):
   q = _grouped(query, key.shape[2])
   stat_dtype = jnp.float32 if float32_logits else query.dtype
   # Derived from q so that the loop carries are varying over the same manual axes as the blocks.
-  acc = jnp.zeros_like(q, jnp.float32).transpose(0, 2, 3, 1, 4)  # (b, Nkv, G, t, D)
+  acc = jnp.zeros_like(q[..., :1], jnp.float32).transpose(0, 2, 3, 1, 4) * jnp.zeros(value.shape[-1:])  # (.., t, Dv)
   row_max = jnp.full_like(acc[..., 0], MASK_VALUE, stat_dtype)  # (b, Nkv, G, t)
   row_sum = jnp.zeros_like(row_max)
 
@@ -139,8 +140,8 @@ def _forward(query, key, value, segment_ids, token_index, options):
   block = (key, value, segment_ids, token_index)
   block, stats = jax.lax.fori_loop(0, jax.lax.axis_size(axis_name) - 1, body, (block, (row_max, row_sum, acc)))
   row_max, row_sum, acc = step(block, stats)  # the last block needs no send
-  out = acc / row_sum[..., None].astype(jnp.float32)  # (b, Nkv, G, t, D)
-  out = out.transpose(0, 3, 1, 2, 4).reshape(query.shape).astype(query.dtype)
+  out = acc / row_sum[..., None].astype(jnp.float32)  # (b, Nkv, G, t, Dv)
+  out = out.transpose(0, 3, 1, 2, 4).reshape(*query.shape[:-1], value.shape[-1]).astype(query.dtype)
   lse = row_max.astype(jnp.float32) + jnp.log(row_sum.astype(jnp.float32))
   return out, lse
 
@@ -182,8 +183,7 @@ def _ring_attention_bwd(options, residuals, dout):
     block, dq = step(block, dq)
     return _shift(axis_name, *block), dq
 
-  zeros = jnp.zeros_like(key, jnp.float32)
-  block = (key, value, segment_ids, token_index, zeros, zeros)
+  block = (key, value, segment_ids, token_index, jnp.zeros_like(key, jnp.float32), jnp.zeros_like(value, jnp.float32))
   block, dq = jax.lax.fori_loop(0, jax.lax.axis_size(axis_name) - 1, body, (block, jnp.zeros_like(q, jnp.float32)))
   (*_, dk, dv), dq = step(block, dq)
   dk, dv = _shift(axis_name, dk, dv)  # N hops in all: each block's gradients are back on its device

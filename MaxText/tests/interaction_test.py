@@ -103,10 +103,7 @@ ROUNDING_TOLERANCE = {"int8": 1e-3}
 # (case, layout) -> what is not done yet: these cells are refused (in one line) or differ, for reasons of this
 # implementation, not of the maths. Each is an expected failure, strict: a cell that starts to pass fails the test
 # until it leaves this table.
-NOT_YET: dict[tuple[str, str], str] = {
-  ("deepseek", "pipeline"): "its decoder is two stacks (dense and MoE layers), and the pipeline runs one",
-  ("deepseek", "context"): "multi-head latent attention has no context-parallel kernel",
-}
+NOT_YET: dict[tuple[str, str], str] = {}
 
 
 def _runs(tmp_path, case: str, files: dict) -> list[dict]:

@@ -30,7 +30,9 @@ CASES = {
   "contiguous": (False, 2, 2, False, {}),
   "load_balanced": (True, 2, 2, False, {}),
   "gqa_packed_capped_window": (True, 4, 2, True, CAPPED),
+  "latent_value_dim": (True, 2, 2, False, {}),  # values narrower than keys, as multi-head latent attention's
 }
+VALUE_DIM = {"latent_value_dim": 6}
 OUTPUTS = ("out", "dquery", "dkey", "dvalue")
 # Memory: 256 tokens, 64 per context device; no other dim is 256.
 MEMORY_LENGTH, MEMORY_HEADS, MEMORY_HEAD_DIM = 256, 4, 16
@@ -74,8 +76,9 @@ def _child(out_dir):
   for name, (balanced, num_q, num_kv, packed, options) in CASES.items():
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
     q = jax.random.normal(keys[0], (BATCH, LENGTH, num_q, HEAD_DIM)) / np.sqrt(HEAD_DIM)
-    k, v = (jax.random.normal(key, (BATCH, LENGTH, num_kv, HEAD_DIM)) for key in keys[1:3])
-    cotangent = jax.random.normal(keys[3], q.shape)
+    k = jax.random.normal(keys[1], (BATCH, LENGTH, num_kv, HEAD_DIM))
+    v = jax.random.normal(keys[2], (BATCH, LENGTH, num_kv, VALUE_DIM.get(name, HEAD_DIM)))
+    cotangent = jax.random.normal(keys[3], (*q.shape[:-1], v.shape[-1]))
     segments = packed_segments(BATCH, LENGTH) if packed else np.ones((BATCH, LENGTH), np.int32)
     order = load_balanced_order(LENGTH, CONTEXT) if balanced else np.arange(LENGTH)
     index = jnp.asarray(np.broadcast_to(order, (BATCH, LENGTH)), jnp.int32)
