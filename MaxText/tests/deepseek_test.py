@@ -159,11 +159,13 @@ def test_both_stacks_layers_are_named_in_model_order_and_quantized(scan):
   """decoder/moe_layers' blocks follow decoder/dense_layers' in the layer names (numerics statistics, quant_cfg_path,
   the non-finite report), and fp8 quantizes the dense layers of both stacks."""
   config = tiny_config(*DEEPSEEK, "quantization=fp8", f"scan_layers={scan}")
-  _, state = _state(config)
-  names = {layer.name for layer in layer_names.dense_layers(state.params, config)}
+  model = training_setup.create_model(config)
+  batch = _batch(config)
+  variables = jax.eval_shape(model.init, jax.random.PRNGKey(0), batch["inputs"], batch["inputs_position"])
+  names = {layer.name for layer in layer_names.dense_layers(nn.unbox(variables["params"]), config)}
   assert {layer_names.layer_number(name) for name in names} == {1, 2, 3, None}  # None: the logits, outside the layers
   assert "decoder.layers.2.MoeBlock_0.shared_experts.wo" in names and "decoder.layers.0.mlp.wo" in names
-  scales = state.slots["fp8_meta"]["decoder"]
+  scales = variables["fp8_meta"]["decoder"]
   stacks = {"dense_layers", "moe_layers"} if scan == "true" else {"dense_layers_0", "moe_layers_0", "moe_layers_1"}
   assert set(scales) == stacks, set(scales)
   last = scales["moe_layers" if scan == "true" else "moe_layers_1"]
