@@ -13,7 +13,7 @@ import pytest
 from MaxText.configuration import pipeline_schedule
 from MaxText.errors import ConfigError
 from MaxText.layers import microbatch_combine, moe, pipeline
-from MaxText.tests.helpers import run_python, tiny_args, tiny_config
+from MaxText.tests.helpers import LORA, run_python, tiny_args, tiny_config
 from MaxText.tests.tiny_models import DEEPSEEK
 
 
@@ -159,6 +159,8 @@ FP8 = ["quantization=fp8"]
 # Step 0's amax (the oldest entry of each history) and the scales made from it equal 1 device's.
 FP8_STEPS = 2
 MOE = ["decoder_block=mixtral", "num_experts=4", "num_experts_per_tok=2"]
+# QLoRA with int8 codes: the frozen codes and the adapters go round the stages (it used to hang at the end of the run).
+QLORA_INT8 = [*LORA, "lora_weight_qtype=int8"]
 # DeepSeek: 2 dense layers run before the pipeline, its 4 MoE layers go round 2 stages twice (reordered in memory).
 DEEPSEEK_STACKS = [*DEEPSEEK, "base_num_decoder_layers=6", "first_num_dense_layers=2"]
 
@@ -193,6 +195,8 @@ def _runs(tmp_path) -> list[dict]:
     {**run("fp8_pipelined", 1, *FP8, "checkpoint_period=1", steps=FP8_STEPS, checkpoints=True), "metrics_as": "fp8_resumed"},
     run("moe_one", 1, *MOE),
     run("moe_half_pipelined", 8, *MOE, *LAYOUTS["stage2_half_pipelined"]),
+    run("qlora_int8_one", 1, *QLORA_INT8),
+    run("qlora_int8_stage4_fsdp2", 8, *QLORA_INT8, *LAYOUTS["stage4_fsdp2"]),
     run("deepseek_one", 1, *DEEPSEEK_STACKS),
     run("deepseek_stage2", 8, *DEEPSEEK_STACKS, "ici_pipeline_parallelism=2", "num_layers_per_pipeline_stage=1"),
     run("decode_pipelined", 1, *DECODE, f"load_parameters_path={checkpoint_items}", decode=True),
@@ -242,9 +246,17 @@ def test_accumulation_and_layer_indices_train_as_one_device(report, name, baseli
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,baseline", [("moe_half_pipelined", "moe_one"), ("deepseek_stage2", "deepseek_one")])
-def test_the_moe_families_pipeline_as_on_one_device(report, name, baseline):
-  """The routing statistics go through the pipeline; DeepSeek's dense stack runs before it, its MoE stack in it."""
+@pytest.mark.parametrize(
+  "name,baseline",
+  [
+    ("moe_half_pipelined", "moe_one"),
+    ("deepseek_stage2", "deepseek_one"),
+    ("qlora_int8_stage4_fsdp2", "qlora_int8_one"),
+  ],
+)
+def test_moe_families_and_qlora_pipeline_as_on_one_device(report, name, baseline):
+  """The routing statistics go through the pipeline; DeepSeek's dense stack runs before it, its MoE stack in it;
+  QLoRA's int8 codes stay frozen and its adapters train."""
   losses, expected = report["metrics"][name], report["metrics"][baseline]
   np.testing.assert_allclose([losses[s] for s in range(STEPS)], [expected[s] for s in range(STEPS)], rtol=1e-5)
 
