@@ -7,7 +7,19 @@ import signal
 import numpy as np
 import pytest
 
-from MaxText.tests.helpers import TRAIN_PY, build_chat_tokenizer, launch_run, read_metrics, run_train, tiny_args, write_jsonl
+from MaxText.tests.helpers import (
+  BASE_YML,
+  LORA,
+  REPO_ROOT,
+  TRAIN_PY,
+  build_chat_tokenizer,
+  launch_run,
+  read_metrics,
+  run_python,
+  run_train,
+  tiny_args,
+  write_jsonl,
+)
 
 # A toy task with a checkable answer: each prompt has one right word; the SFT data answers it one time in three.
 TASK = [
@@ -164,3 +176,39 @@ def test_grpo_raises_the_reward_of_an_sft_model(files, tmp_path, seed):
   rewards = [m["rl/reward_mean"] for m in metrics]
   print("rewards", json.dumps(np.round(rewards, 3).tolist()))
   assert np.mean(rewards[-10:]) >= np.mean(rewards[:10]) + 0.2, rewards
+
+
+@pytest.mark.slow  # about 40 s
+def test_grpo_trains_lora_adapters_and_its_checkpoint_decodes_and_exports(files, tmp_path):
+  """GRPO on LoRA's adapters (the reference: the base), and a full GRPO run's checkpoint read by decode.py and
+  convert_checkpoint.py to_hf like any other."""
+  result, metrics = run_train(tmp_path, "lora", *grpo_args(files, "steps=2", "reward_functions=exact", *LORA))
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert len(metrics) == 2 and all(np.isfinite(m["learning/loss"]) and m["rl/kl"] >= 0 for m in metrics)
+  args = grpo_args(files, "steps=2", "reward_functions=exact", "enable_checkpointing=true", "checkpoint_period=1")
+  result, _ = run_train(tmp_path, "full", *args)
+  assert result.returncode == 0, result.stderr[-2000:]
+  decode_args = tiny_args(
+    f"base_output_directory={tmp_path}",
+    "run_name=decoded",
+    f"load_parameters_path={tmp_path / 'full' / 'checkpoints' / '1' / 'items'}",
+    "vocab_size=320",
+    f"tokenizer_path={files['tokenizer']}",
+    "max_target_length=32",
+    "max_prefill_predict_length=16",
+    'prompt="how are"',
+  )
+  decoded = run_python([f"{REPO_ROOT}/MaxText/decode.py", BASE_YML, *decode_args])
+  assert decoded.returncode == 0 and 'Input `"how are"` ->' in decoded.stdout, decoded.stderr[-2000:]
+  exported = run_python(
+    [
+      f"{REPO_ROOT}/MaxText/convert_checkpoint.py",
+      "to_hf",
+      "--maxtext_dir",
+      str(tmp_path / "full"),
+      "--output_dir",
+      str(tmp_path / "hf"),
+    ]
+  )
+  assert exported.returncode == 0, exported.stderr[-2000:]
+  assert (tmp_path / "hf" / "config.json").exists() and list((tmp_path / "hf").glob("*.safetensors"))
