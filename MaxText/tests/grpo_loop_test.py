@@ -13,6 +13,7 @@ from MaxText.tests.helpers import (
   REPO_ROOT,
   TRAIN_PY,
   build_chat_tokenizer,
+  cpu_env,
   launch_run,
   read_metrics,
   run_python,
@@ -212,3 +213,18 @@ def test_grpo_trains_lora_adapters_and_its_checkpoint_decodes_and_exports(files,
   )
   assert exported.returncode == 0, exported.stderr[-2000:]
   assert (tmp_path / "hf" / "config.json").exists() and list((tmp_path / "hf").glob("*.safetensors"))
+
+
+@pytest.mark.slow  # about 30 s
+def test_grpo_on_8_devices_equals_one_device(files, tmp_path):
+  """Generation and training on the same fsdp 8 mesh: greedy completions, their rewards and the losses are those of
+  the same 32 rows on 1 device."""
+  runs = {}
+  for name, devices, rows in (("one", 1, 32), ("fsdp", 8, 4)):
+    args = grpo_args(
+      files, "steps=3", "reward_functions=length", "decode_sampling_strategy=greedy", f"per_device_batch_size={rows}"
+    )
+    result, metrics = run_train(tmp_path, name, *args, env=cpu_env(devices))
+    assert result.returncode == 0, result.stderr[-2000:]
+    runs[name] = [(m["learning/loss"], m["rl/reward_mean"], m["rl/completion_length"]) for m in metrics]
+  np.testing.assert_allclose(runs["fsdp"], runs["one"], rtol=1e-5, atol=1e-7)
