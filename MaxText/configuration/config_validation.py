@@ -304,12 +304,7 @@ def validate_static(values: dict, reads_data: bool = True) -> None:
   """Raises ConfigError for the first invalid value (of the data keys only when the entry point reads_data). Needs no
   devices and no JAX."""
   _check_upstream_defaults(values)
-  _check_choices(values)
-  _check_ranges(values)
-  _check_numbers(values)
-  _check_activations(values)
-  _check_layer_options(values)
-  _check_deepseek(values)
+  validate_model(values)
   _check_mesh(values)
   _check_paths(values)
   _check_emergency_checkpoint(values)
