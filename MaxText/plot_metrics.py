@@ -2,6 +2,8 @@
 
     python3 MaxText/plot_metrics.py maxtext_output/a/metrics.jsonl maxtext_output/b/metrics.jsonl --output ab.png
 
+--metric KEY adds a panel for any other metric in the files, such as GRPO's rl/reward_mean.
+
 A metrics file is what metrics_file=... writes during training (one JSON object per step; the steps followed by an
 eval also hold eval/loss). Each run is a line in every panel, labelled by its run_name (a file that several runs
 shared gives a line per run). --output may name a .png, .pdf or .svg file.
@@ -27,12 +29,26 @@ def main(argv: list[str]) -> None:
     "--output", default="metrics.png", help="the image to write: .png (default: metrics.png), .pdf or .svg"
   )
   parser.add_argument("--title", default="MaxText metrics", help="the figure's title")
+  parser.add_argument(
+    "--metric",
+    action="append",
+    default=[],
+    metavar="KEY",
+    help="one more metric to plot, a panel of its own, e.g. --metric rl/reward_mean (GRPO's reward); repeat for more",
+  )
   args = parser.parse_args(argv[1:])
   image_format = os.path.splitext(args.output)[1][1:].lower()
   if image_format not in plots.FORMATS:
     raise UserError(f"--output {args.output}: name a .png, .pdf or .svg file")
   runs = plots.runs_of_files(args.metrics_files)
-  image = plots.draw(runs, title=args.title, image_format=image_format)
+  for key in args.metric:
+    if not any(isinstance(r.get(key), (int, float)) for records in runs.values() for r in records):
+      found = sorted(
+        {k for records in runs.values() for r in records for k in r if k != "step" and isinstance(r[k], (int, float))}
+      )
+      more = f", ... ({len(found)} in all)" if len(found) > 12 else ""
+      raise UserError(f"--metric {key} is in none of these metrics files; they have {', '.join(found[:12])}{more}")
+  image = plots.draw(runs, title=args.title, image_format=image_format, extra_keys=tuple(dict.fromkeys(args.metric)))
   try:
     with open(args.output, "wb") as f:
       f.write(image)

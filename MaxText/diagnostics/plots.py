@@ -100,26 +100,32 @@ def _series(records: list[dict], key: str, scale: float = 1.0) -> tuple[list, li
 FORMATS = ("png", "pdf", "svg")
 
 
-def draw(runs: dict, title: str = "MaxText metrics", image_format: str = "png") -> bytes:
-  """The image (bytes) of the runs' metrics: loss and eval loss, learning rate, tokens/s per device, MFU.
+def draw(runs: dict, title: str = "MaxText metrics", image_format: str = "png", extra_keys: tuple = ()) -> bytes:
+  """The image (bytes) of the runs' metrics: loss and eval loss, learning rate, tokens/s per device, MFU, and a panel
+  for each of extra_keys.
 
   Args:
     runs: label -> records (dicts with "step" and any of KEYS), one line per run in each panel.
     title: the figure's title.
     image_format: one of FORMATS.
+    extra_keys: more metrics to plot, a panel each after the four (a feature's, e.g. GRPO's rl/reward_mean).
   """
   import matplotlib  # pylint: disable=import-outside-toplevel
 
   matplotlib.use("Agg")
   from matplotlib import pyplot as plt  # pylint: disable=import-outside-toplevel
 
-  fig, axes = plt.subplots(2, 2, figsize=(13, 8.5), sharex=True)
+  rows = 2 + (len(extra_keys) + 1) // 2
+  fig, axes = plt.subplots(rows, 2, figsize=(13, 4.25 * rows), sharex=True, squeeze=False)
   panels = [
     (axes[0][0], "Loss (solid: train, dashed with dots: eval)", LOSS, 1.0),
     (axes[0][1], "Learning rate", LEARNING_RATE, 1.0),
     (axes[1][0], "Tokens/s per device", TOKENS_PER_SEC, 1.0),
     (axes[1][1], "MFU (%)", MFU, 100.0),
   ]
+  panels += [(axes[2 + i // 2][i % 2], key, key, 1.0) for i, key in enumerate(extra_keys)]
+  if len(extra_keys) % 2:
+    axes[-1][1].set_visible(False)
   colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
   for i, (label, records) in enumerate(runs.items()):
     color = colors[i % len(colors)]
@@ -137,7 +143,7 @@ def draw(runs: dict, title: str = "MaxText metrics", image_format: str = "png") 
       why = " (no peak TFLOP/s known for these devices, e.g. CPU)" if key == MFU else ""
       ax.text(0.5, 0.5, f"not in these metrics{why}", ha="center", va="center", transform=ax.transAxes, color="gray")
       ax.set_yticks([])
-  for ax in axes[1]:
+  for ax in axes[-1]:
     ax.set_xlabel("step")
   axes[0][1].ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
   if axes[0][0].lines:

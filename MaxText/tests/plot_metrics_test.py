@@ -156,3 +156,24 @@ def test_a_run_ends_with_its_plot_from_the_metrics_file_or_its_history(tmp_path)
   result = run_python([TRAIN_PY, "MaxText/configs/base.yml", "run_name=unfiled", *args])
   assert result.returncode == 0, result.stderr[-3000:]
   assert (tmp_path / "unfiled" / "metrics.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_a_metric_gets_a_panel_of_its_own_and_a_missing_one_is_one_line(tmp_path):
+  """--metric rl/reward_mean (GRPO's reward curve) adds a panel; a key that no file has names the file's keys."""
+  path = tmp_path / "grpo.jsonl"
+  with open(path, "w", encoding="utf-8") as f:
+    for step in range(6):
+      f.write(json.dumps({"step": step, "run_name": "grpo", "learning/loss": 0.1, "rl/reward_mean": step / 6}) + "\n")
+  plain, reward = tmp_path / "plain.png", tmp_path / "reward.png"
+  assert run_python([PLOT_METRICS_PY, str(path), "--output", str(plain)]).returncode == 0
+  result = run_python([PLOT_METRICS_PY, str(path), "--metric", "rl/reward_mean", "--output", str(reward)])
+  assert result.returncode == 0, result.stderr
+  from PIL import Image  # pylint: disable=import-outside-toplevel
+
+  # A third row of panels: the image is taller by half.
+  assert Image.open(reward).size[1] == pytest.approx(Image.open(plain).size[1] * 1.5, rel=0.02)
+  result = run_python([PLOT_METRICS_PY, str(path), "--metric", "rl/reward", "--output", str(tmp_path / "bad.png")])
+  assert result.returncode == 2 and not (tmp_path / "bad.png").exists()
+  assert result.stderr.strip() == (
+    "Error: --metric rl/reward is in none of these metrics files; they have learning/loss, rl/reward_mean"
+  )
