@@ -1,8 +1,11 @@
 """GRPO's loop in train.py (features/grpo.py's host_batch, grpo_rollouts.py): the rollouts reused between rounds, the
 metrics, the samples file, one-line errors for bad prompts, a killed run resumed bitwise, and learning a toy task."""
 
+import importlib.util
 import json
+import os
 import signal
+import subprocess
 
 import numpy as np
 import pytest
@@ -12,27 +15,22 @@ from MaxText.tests.helpers import (
   LORA,
   REPO_ROOT,
   TRAIN_PY,
-  build_chat_tokenizer,
   cpu_env,
   launch_run,
   read_metrics,
   run_python,
   run_train,
   tiny_args,
-  write_jsonl,
 )
 
-# A toy task with a checkable answer: each prompt has one right word; the SFT data answers it one time in three.
-TASK = [
-  ("what is two plus two", "four", ("two", "maybe")),
-  ("the cat sat on the", "mat", ("dog", "far")),
-  ("how are", "you", ("no", "there")),
-  ("a dog ran", "far", ("yes", "cat")),
-]
-REWARDS = """
-def exact(prompts, completions, answer, **columns):
-  return [float(c.strip() == a) for c, a in zip(completions, answer)]
-
+# The worked run's toy task (docs/fine_tuning.md): each prompt has one right word; the SFT data answers it one time in
+# three. Its rewards.py gains a length reward here.
+_spec = importlib.util.spec_from_file_location(
+  "make_task", os.path.join(REPO_ROOT, "end_to_end", "grpo_toy", "make_task.py")
+)
+make_task = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(make_task)
+LENGTH_REWARD = """
 
 def length(prompts, completions, completion_ids, **columns):
   return [len(ids) / 8 for ids in completion_ids]
@@ -43,19 +41,11 @@ def length(prompts, completions, completion_ids, **columns):
 def files(tmp_path_factory):
   """{tokenizer, prompts, sft, rewards}: the chat tokenizer, the task's prompts and SFT data, the reward functions."""
   root = tmp_path_factory.mktemp("grpo")
-  prompts = [{"prompt": p, "answer": a} for p, a, _ in TASK]
-  sft = [
-    {"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": [a, *wrong][k]}]}
-    for k in range(3)
-    for p, a, wrong in TASK
-  ]
-  (root / "rewards.py").write_text(REWARDS, encoding="utf-8")
-  return {
-    "tokenizer": build_chat_tokenizer(root / "tok"),
-    "prompts": write_jsonl(root / "prompts.jsonl", prompts, repeats=64),
-    "sft": write_jsonl(root / "sft.jsonl", sft, repeats=16),
-    "rewards": str(root / "rewards.py"),
-  }
+  make_task.main(str(root))
+  with open(root / "rewards.py", "a", encoding="utf-8") as f:
+    f.write(LENGTH_REWARD)
+  names = ("tokenizer", "prompts.jsonl", "sft.jsonl", "rewards.py")
+  return {name.split(".")[0]: str(root / name) for name in names}
 
 
 def grpo_args(files, *extra) -> list[str]:
@@ -144,39 +134,24 @@ def test_a_killed_run_resumes_bitwise(files, tmp_path):
     assert [got[s][key] for s in range(12)] == [expected[s][key] for s in range(12)], key
 
 
-def _sft(files, tmp_path) -> str:
-  """The tiny model SFT'd on the task (one answer in three right); its checkpoint's params."""
-  args = [
-    "steps=60",
-    "use_sft=true",
-    "train_data_columns=['messages']",
-    f"tokenizer_path={files['tokenizer']}",
-    "vocab_size=320",
-    "max_target_length=32",
-    "per_device_batch_size=8",
-    "dataset_type=hf",
-    "hf_path=json",
-    f"hf_train_files={files['sft']}",
-    "warmup_steps_fraction=0",
-    "checkpoint_period=1000",
-  ]
-  result, _ = run_train(tmp_path, "sft", *args)
-  assert result.returncode == 0, result.stderr[-3000:]
-  return str(tmp_path / "sft" / "checkpoints" / "59" / "items")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
-def test_grpo_raises_the_reward_of_an_sft_model(files, tmp_path, seed):
-  """After SFT (one answer in three right), 40 GRPO steps: the mean reward of the last 10 steps beats the first 10's
-  by at least 0.2."""
-  params = _sft(files, tmp_path)
-  args = grpo_args(files, "steps=40", "reward_functions=exact", "learning_rate=5e-3", f"decode_sampling_seed={seed}")
-  result, metrics = run_train(tmp_path, "grpo", *args, f"load_parameters_path={params}", "enable_checkpointing=false")
+def test_grpo_raises_the_reward_of_an_sft_model(tmp_path, seed):
+  """The docs' worked run (end_to_end/grpo_toy/run.sh): after SFT (one answer in three right), 40 GRPO steps; the
+  mean reward of the last 10 steps beats the first 10's by at least 0.2, and the reward curve is plotted."""
+  result = subprocess.run(
+    ["bash", os.path.join(REPO_ROOT, "end_to_end", "grpo_toy", "run.sh"), str(tmp_path)],
+    env={**cpu_env(1), "SEED": str(seed)},
+    capture_output=True,
+    text=True,
+    timeout=600,
+    check=False,
+  )
   assert result.returncode == 0, result.stderr[-3000:]
-  rewards = [m["rl/reward_mean"] for m in metrics]
+  rewards = [m["rl/reward_mean"] for m in read_metrics(tmp_path / "grpo.jsonl")]
   print("rewards", json.dumps(np.round(rewards, 3).tolist()))
-  assert np.mean(rewards[-10:]) >= np.mean(rewards[:10]) + 0.2, rewards
+  assert len(rewards) == 40 and np.mean(rewards[-10:]) >= np.mean(rewards[:10]) + 0.2, rewards
+  assert (tmp_path / "reward.png").read_bytes().startswith(b"\x89PNG")
 
 
 @pytest.mark.slow  # about 40 s
