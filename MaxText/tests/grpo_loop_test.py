@@ -21,10 +21,11 @@ from MaxText.tests.helpers import (
   run_python,
   run_train,
   tiny_args,
+  write_jsonl,
 )
 
 # The worked run's toy task (docs/fine_tuning.md): each prompt has one right word; the SFT data answers it one time in
-# three. Its rewards.py gains a length reward here.
+# three. Its rewards.py gains two rewards here.
 _spec = importlib.util.spec_from_file_location(
   "make_task", os.path.join(REPO_ROOT, "end_to_end", "grpo_toy", "make_task.py")
 )
@@ -34,6 +35,10 @@ LENGTH_REWARD = """
 
 def length(prompts, completions, completion_ids, **columns):
   return [len(ids) / 8 for ids in completion_ids]
+
+
+def odd_start(prompts, completions, completion_ids, **columns):
+  return [float(ids[0] % 2) if ids else 0.0 for ids in completion_ids]
 """
 
 
@@ -190,16 +195,34 @@ def test_grpo_trains_lora_adapters_and_its_checkpoint_decodes_and_exports(files,
   assert (tmp_path / "hf" / "config.json").exists() and list((tmp_path / "hf").glob("*.safetensors"))
 
 
-@pytest.mark.slow  # about 30 s
-def test_grpo_on_8_devices_equals_one_device(files, tmp_path):
-  """Generation and training on the same fsdp 8 mesh: greedy completions, their rewards and the losses are those of
-  the same 32 rows on 1 device."""
+# nf4's blocks of 64 input rows split over fsdp 4 where every dense kernel's input is 256 rows.
+QLORA_NF4 = ["lora_weight_qtype=nf4", "base_emb_dim=256", "base_mlp_dim=256"]
+
+
+@pytest.mark.slow  # about 40 s
+@pytest.mark.parametrize(
+  "extra",
+  [["ici_fsdp_parallelism=8"], ["ici_tensor_parallelism=2", *LORA, *QLORA_NF4]],
+  ids=["fsdp", "fsdp x tensor, QLoRA"],
+)
+def test_grpo_on_8_devices_equals_one_device(files, tmp_path, extra):
+  """Generation and training on the same 8-device mesh: the drawn completions, their rewards and the losses (two
+  iterations a round: the sampler's log-probs are the old policy's) are those of the same 32 rows on 1 device, also
+  on QLoRA's adapters over an fsdp x tensor mesh.
+
+  A row's draws depend on its place in the global batch, and the data pipeline orders a batch's records by batch
+  shard, so here every record holds the same prompt: any layout's batch is then the same rows in the same order."""
+  with open(files["prompts"], encoding="utf-8") as f:
+    prompt = json.loads(f.readline())
+  one_prompt = write_jsonl(tmp_path / "one_prompt.jsonl", [prompt], repeats=64)
   runs = {}
-  for name, devices, rows in (("one", 1, 32), ("fsdp", 8, 4)):
-    args = grpo_args(
-      files, "steps=3", "reward_functions=length", "decode_sampling_strategy=greedy", f"per_device_batch_size={rows}"
-    )
+  for name, devices, rows in (("one", 1, 32), ("eight", 8, 4)):
+    mesh = [a for a in extra if a.startswith("ici_")] if devices == 8 else []
+    others = [a for a in extra if not a.startswith("ici_")]
+    args = grpo_args(files, "steps=3", "reward_functions=odd_start", "num_iterations=2", *others, *mesh)
+    args += [f"per_device_batch_size={rows}", f"hf_train_files={one_prompt}"]
     result, metrics = run_train(tmp_path, name, *args, env=cpu_env(devices))
     assert result.returncode == 0, result.stderr[-2000:]
-    runs[name] = [(m["learning/loss"], m["rl/reward_mean"], m["rl/completion_length"]) for m in metrics]
-  np.testing.assert_allclose(runs["fsdp"], runs["one"], rtol=1e-5, atol=1e-7)
+    runs[name] = [(m["learning/loss"], m["rl/reward_mean"], m["rl/completion_length"], m["rl/kl"]) for m in metrics]
+  assert abs(runs["one"][1][0]) > 1e-4  # the rewards differ within the groups: the loss has a gradient
+  np.testing.assert_allclose(runs["eight"], runs["one"], rtol=1e-5, atol=1e-7)
