@@ -1,0 +1,190 @@
+"""Llama 4 (decoder_block=llama4) against transformers' Llama4ForCausalLM: a tiny random model built here, converted
+with to_maxtext.
+
+The tiny model has every kind of layer in one block of 4: dense (0, 2) and MoE (1, 3) layers, RoPE layers with the
+L2 q/k norm attending within chunks of 16 tokens, and a NoPE layer (3) with temperature tuning whose floor_scale of 8
+changes the scale every 8 positions; Scout's RoPE scaling (llama3, low_freq_factor == high_freq_factor). The
+64-token check spans 4 chunks.
+"""
+
+import os
+
+import numpy as np
+import pytest
+import torch  # requirements-test.txt
+import transformers
+from safetensors import safe_open
+
+from MaxText.hf_conversion import converter, logit_check, maxtext_io
+from MaxText.tests.tiny_models import randomize_hf_weights, step0_losses
+
+TOLERANCE = 1e-4  # float32, as the issue fixes it; never loosened to make a test pass
+VOCAB = 256
+TINY = dict(
+  vocab_size=VOCAB,
+  hidden_size=64,
+  intermediate_size=48,  # each expert's and the shared expert's
+  intermediate_size_mlp=96,  # the dense layers'
+  num_hidden_layers=4,
+  num_attention_heads=4,
+  num_key_value_heads=2,
+  head_dim=16,
+  num_local_experts=4,
+  interleave_moe_layer_step=2,
+  no_rope_layer_interval=4,
+  attention_chunk_size=16,
+  floor_scale=8,
+  attn_scale=0.1,
+  rope_parameters={
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 16.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 1.0,
+    "original_max_position_embeddings": 16,
+  },
+)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+  """(hf_dir, maxtext_dir) of the tiny model."""
+  root = tmp_path_factory.mktemp("llama4")
+  model = transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(**TINY))
+  randomize_hf_weights(model, seed=4)
+  hf_dir = str(root / "hf")
+  model.to(torch.float32).save_pretrained(hf_dir)
+  converter.to_maxtext(hf_dir, str(root / "maxtext"))
+  return hf_dir, str(root / "maxtext")
+
+
+def _paths(maxtext_dir: str) -> tuple[str, str]:
+  return os.path.join(maxtext_dir, converter.MODEL_YML), os.path.join(maxtext_dir, converter.PARAMS_DIR)
+
+
+def _safetensors(hf_dir: str) -> dict:
+  with safe_open(os.path.join(hf_dir, "model.safetensors"), framework="pt") as f:
+    return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def _params(maxtext_dir: str) -> dict:
+  reader = maxtext_io.ParamsReader(os.path.join(maxtext_dir, converter.PARAMS_DIR))
+  return {keys: maxtext_io.read(store) for keys, store in reader.params().items()}
+
+
+def test_logits_match_transformers(converted):
+  hf_dir, maxtext_dir = converted
+  tokens = logit_check.random_tokens(VOCAB)  # 64 tokens: 4 chunks, 8 temperature steps
+  max_abs, kl = logit_check.compare(
+    logit_check.hf_logits(hf_dir, tokens), logit_check.maxtext_logits(*_paths(maxtext_dir), tokens)
+  )
+  print(f"\nllama4 logits: max_abs_diff={max_abs:.3g} kl={kl:.3g}")
+  assert max_abs < TOLERANCE, f"max |logits diff| {max_abs:.3g} (KL {kl:.3g})"
+
+
+def test_round_trip_is_bitwise(converted, tmp_path):
+  hf_dir, maxtext_dir = converted
+  hf_out = converter.to_hf(maxtext_dir, str(tmp_path / "hf_out"))
+  original, back = _safetensors(hf_dir), _safetensors(hf_out)
+  assert sorted(original) == sorted(back)
+  for name, tensor in original.items():
+    assert tensor.dtype == back[name].dtype and torch.equal(tensor, back[name]), name
+  converter.to_maxtext(hf_out, str(tmp_path / "again"))
+  first, again = _params(maxtext_dir), _params(str(tmp_path / "again"))
+  assert sorted(first) == sorted(again)
+  assert all(np.array_equal(first[k], again[k]) for k in first)
+
+
+def test_text_model_of_conditional_generation_converts(converted, tmp_path, capsys):
+  """Llama4ForConditionalGeneration's language_model converts to the same params; the vision tower is left out."""
+  hf_dir, maxtext_dir = converted
+  vision = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=28)
+  vision.update(patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
+  config = transformers.Llama4Config(text_config=TINY, vision_config=vision)
+  model = transformers.Llama4ForConditionalGeneration(config)
+  text = transformers.Llama4ForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+  model.language_model.load_state_dict(text.state_dict())  # a Llama4ForCausalLM
+  model.to(torch.float32).save_pretrained(str(tmp_path / "multimodal"))
+  converter.to_maxtext(str(tmp_path / "multimodal"), str(tmp_path / "maxtext"))
+  assert "vision tower is left out" in capsys.readouterr().out
+  first, text_only = _params(str(tmp_path / "maxtext")), _params(maxtext_dir)
+  assert sorted(first) == sorted(text_only)
+  assert all(np.array_equal(first[k], text_only[k]) for k in first)
+
+
+def test_step0_loss_is_transformers_cross_entropy(converted):
+  ours, expected = step0_losses(*converted, logit_check.random_tokens(VOCAB))
+  print(f"\nllama4 step-0 loss {ours:.6f}, transformers {expected:.6f}")
+  assert ours == pytest.approx(expected, rel=1e-4)
+
+
+def test_greedy_decoding_with_the_cache_equals_transformers_generate(converted):
+  """decode.py's path (prefill, then one token at a time over the KV cache) past the first 16-token chunk."""
+  from MaxText.inference import decoding  # pylint: disable=import-outside-toplevel
+  from MaxText.runtime import mesh  # pylint: disable=import-outside-toplevel
+
+  hf_dir, maxtext_dir = converted
+  model_yml, params_dir = _paths(maxtext_dir)
+  prompt = [1, 5, 9, 200, 7, 31]
+  config = converter.maxtext_config(
+    model_yml,
+    load_parameters_path=params_dir,
+    dtype="float32",
+    weight_dtype="float32",
+    max_prefill_predict_length=8,
+    max_target_length=40,  # 32 generated: positions 6 .. 37, over chunks 0 .. 2
+    per_device_batch_size=1,
+    decode_sampling_strategy="greedy",
+  )
+  device_mesh = mesh.create_device_mesh(config)
+  model, abstract = decoding.build(config, device_mesh)
+  params = decoding.load_params(config, model, abstract, device_mesh)
+  ours = decoding.generate(config, model, params, device_mesh, prompt).tokens[0]
+  reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+  reference.generation_config.eos_token_id = (
+    None  # ours runs on past an end token (end_ids=()); min_new_tokens would mask it
+  )
+  with torch.no_grad():
+    out = reference.generate(torch.tensor([prompt]), max_new_tokens=len(ours), do_sample=False, pad_token_id=0)
+  np.testing.assert_array_equal(ours, out[0, len(prompt) :].numpy())
+
+
+# Each preset as transformers' Llama4TextConfig (the released config.json's text_config).
+PRESETS = {
+  "llama4-17b-16e": dict(num_local_experts=16, interleave_moe_layer_step=1, use_qk_norm=True),
+  "llama4-17b-128e": dict(num_local_experts=128, interleave_moe_layer_step=2, use_qk_norm=False),
+}
+
+
+def _maxtext_shapes(model_name: str) -> dict:
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  from MaxText import pyconfig  # pylint: disable=import-outside-toplevel
+  from MaxText.layers import models  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.helpers import BASE_YML  # pylint: disable=import-outside-toplevel
+
+  config = pyconfig.initialize(["test", BASE_YML, "run_name=test", f"model_name={model_name}"], environ={})
+  tokens = jnp.zeros((1, 8), jnp.int32)
+  shapes = jax.eval_shape(models.Transformer(config).init, jax.random.PRNGKey(0), tokens, tokens)["params"]
+  return {jax.tree_util.keystr(path): x.shape for path, x in jax.tree_util.tree_flatten_with_path(shapes)[0]}
+
+
+@pytest.mark.parametrize("model_name", sorted(PRESETS))
+def test_preset_parameter_count_is_transformers(model_name):
+  """The total equals transformers' count of the same config (on the meta device); Scout's active count is 17B."""
+  import math  # pylint: disable=import-outside-toplevel
+
+  shapes = _maxtext_shapes(model_name)
+  total = sum(math.prod(s) for s in shapes.values())
+  with torch.device("meta"):
+    reference = transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(**PRESETS[model_name]))
+  expected = sum(p.numel() for p in reference.parameters())
+  print(f"\n{model_name}: {total:,} parameters (transformers {expected:,})")
+  assert total == pytest.approx(expected, rel=1e-3)
+  if model_name == "llama4-17b-16e":
+    assert total == pytest.approx(107.8e9, rel=1e-3)
+    routed = sum(math.prod(s) for k, s in shapes.items() if "MoeBlock_0" in k and "'w" in k and "shared" not in k)
+    active = total - routed * (1 - 1 / 16)  # one of 16 routed experts per token; embedding and logits included
+    print(f"{model_name}: {active:,.0f} active")
+    assert round(active / 1e9) == 17
