@@ -131,7 +131,7 @@ def to_maxtext(hf_path: str, output_dir: str, peft_adapter: str = "") -> str:
   for array in arrays:
     dtype = checkpoint.dtype(array.slices[0].hf_name)
     stores[array.keys] = writer.create(("params", *array.keys), array.shape, dtype, array.stacked_axes)
-  total = sum(plan.nbytes(shape, checkpoint.dtype(name)) for name, shape, _, _, _ in tensors)
+  total = sum(plan.nbytes(array.slice_shape, checkpoint.dtype(name)) for name, _, _, array, _ in tensors)
   with _Progress(total, len(tensors), "HF -> MaxText") as bar:
     for name, _, op, array, s in tensors:
       store = stores[array.keys]
@@ -298,7 +298,11 @@ def _write_hf_config(family, config, source_dir: str, output_dir: str, dtypes: s
     with open(source, encoding="utf-8") as f:
       hf_cfg = json.load(f)
     hf_cfg.pop("rope_parameters", None)  # written again below, in the form both transformers 4 and 5 read
-  hf_cfg.update(family.config_to_hf(config))
+  written = family.config_to_hf(config)
+  if hf_cfg.get("model_type") != written["model_type"] and isinstance(hf_cfg.get("text_config"), dict):
+    hf_cfg = dict(hf_cfg["text_config"])  # a multimodal source (its text model converted): the text model's keys
+    hf_cfg.pop("rope_parameters", None)
+  hf_cfg.update(written)
   dtype = dtypes.pop() if len(dtypes) == 1 else "float32"
   hf_cfg["torch_dtype"] = dtype
   hf_cfg.pop("dtype", None)

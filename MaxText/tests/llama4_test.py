@@ -7,6 +7,7 @@ changes the scale every 8 positions; Scout's RoPE scaling (llama3, low_freq_fact
 64-token check spans 4 chunks.
 """
 
+import json
 import os
 
 import numpy as np
@@ -96,7 +97,8 @@ def test_round_trip_is_bitwise(converted, tmp_path):
 
 
 def test_text_model_of_conditional_generation_converts(converted, tmp_path, capsys):
-  """Llama4ForConditionalGeneration's language_model converts to the same params; the vision tower is left out."""
+  """Llama4ForConditionalGeneration's language_model converts to the same params, the vision tower left out; back
+  to HF it is the text model."""
   hf_dir, maxtext_dir = converted
   vision = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=28)
   vision.update(patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
@@ -110,6 +112,10 @@ def test_text_model_of_conditional_generation_converts(converted, tmp_path, caps
   first, text_only = _params(str(tmp_path / "maxtext")), _params(maxtext_dir)
   assert sorted(first) == sorted(text_only)
   assert all(np.array_equal(first[k], text_only[k]) for k in first)
+  # to_hf writes a Llama4ForCausalLM (config.json the source's text_config) that gives the text model's logits
+  hf_out = converter.to_hf(str(tmp_path / "maxtext"), str(tmp_path / "hf_out"))
+  tokens = logit_check.random_tokens(VOCAB, length=24)
+  np.testing.assert_array_equal(logit_check.hf_logits(hf_out, tokens), logit_check.hf_logits(hf_dir, tokens))
 
 
 def test_step0_loss_is_transformers_cross_entropy(converted):
@@ -188,3 +194,83 @@ def test_preset_parameter_count_is_transformers(model_name):
     active = total - routed * (1 - 1 / 16)  # one of 16 routed experts per token; embedding and logits included
     print(f"{model_name}: {active:,.0f} active")
     assert round(active / 1e9) == 17
+
+
+# Every nn.Linear of transformers' Llama 4 layers that MaxText's LoRA adapts: attention, the dense layers' MLP and
+# the shared expert. The routed experts are fused 3-D params, not Linear modules: neither side adapts them.
+LORA_MODULES = "^decoder/layers/layer_[0-3]/(self_attention/[a-z]+|mlp/(wi_0|wi_1|wo)|MoeBlock_0/shared_experts/w[a-z_01]+)$"
+
+
+@pytest.mark.slow
+def test_lora_run_exports_to_peft_with_our_logits(converted, tmp_path):
+  """A LoRA run's PEFT export (adapters on the dense layers only in some HF layers: a target_modules regex) loads in
+  PEFT onto the HF base with our logits (1e-4), as does the --merge_lora export (about 25 s)."""
+  from MaxText.tests.helpers import lora_run  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.tiny_models import exports_give_our_logits  # pylint: disable=import-outside-toplevel
+
+  hf_dir, _ = converted
+  lora = ["enable_lora=true", "lora_rank=4", "lora_alpha=8", f"lora_module_path={LORA_MODULES}"]
+  model_yml, base_params, run_dir, _ = lora_run(tmp_path, hf_dir, *lora, "per_device_batch_size=1", "max_target_length=16")
+  tokens = logit_check.random_tokens(VOCAB, length=40)  # 3 chunks, 5 temperature steps
+  exports_give_our_logits(tmp_path, run_dir, hf_dir, base_params, model_yml, tokens, label="llama4 ")
+  with open(tmp_path / "peft" / "adapter_config.json", encoding="utf-8") as f:
+    print(f"llama4 target_modules {json.load(f)['target_modules']}")
+
+
+def test_flash_chunked_mask_matches_dot_product():
+  """The splash kernel's ChunkedCausalMask (Pallas interpreter) against dot_product's chunked mask (which the logits
+  test holds to transformers), with packed segments across the chunks."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  from MaxText.layers.attentions import dot_product_attention  # pylint: disable=import-outside-toplevel
+  from MaxText.layers.flash_attention import flash_attention  # pylint: disable=import-outside-toplevel
+
+  ks = jax.random.split(jax.random.PRNGKey(0), 3)
+  q = jax.random.normal(ks[0], (1, 128, 2, 64)) / 4
+  k, v = jax.random.normal(ks[1], (1, 128, 1, 64)), jax.random.normal(ks[2], (1, 128, 1, 64))
+  seg = jnp.concatenate([jnp.ones((1, 50), jnp.int32), 2 * jnp.ones((1, 78), jnp.int32)], axis=1)
+  got = flash_attention(q, k, v, seg, interpret=True, chunk=32)
+  np.testing.assert_allclose(got, dot_product_attention(q, k, v, seg, chunk=32), atol=2e-6)
+  assert not np.allclose(got, dot_product_attention(q, k, v, seg), atol=1e-3)  # the chunks matter here
+
+
+# The tiny MaxText llama4 of the layout test: one block of 4 layers as the converted one, on helpers.TINY_MODEL's
+# dims (emb 32, 4/2 heads of 8), chunks of 8 of its 32 tokens, the temperature changing every 4 positions.
+TINY_LLAMA4 = [
+  "decoder_block=llama4",
+  "base_num_decoder_layers=4",
+  "num_experts=4",
+  "base_moe_mlp_dim=32",
+  "interleave_moe_layer_step=2",
+  "nope_layer_interval=4",
+  "chunk_attn_window_size=8",
+  "use_qk_norm=true",
+  "temperature_tuning=true",
+  "temperature_tuning_floor_scale=4",
+]
+
+
+@pytest.mark.slow
+def test_fsdp_by_expert_on_8_devices_trains_as_one_device(tmp_path):
+  """5 steps on 8 CPU devices (fsdp 2 x expert 4: the experts' weights and the tokens split) give the 1-device
+  losses of the same global batch (relative 1e-5), in one child process (sharded_runs.py; about 30 s)."""
+  from MaxText.tests.helpers import run_python, tiny_args  # pylint: disable=import-outside-toplevel
+
+  def run(name, devices, *args):
+    per_device = "per_device_batch_size=8" if devices == 1 else "per_device_batch_size=1"
+    common = [f"base_output_directory={tmp_path}", f"run_name={name}", per_device, "steps=5", "learning_rate=1e-2"]
+    common += ["enable_checkpointing=false", f"metrics_file={tmp_path / name}.jsonl", *TINY_LLAMA4]
+    return {"name": name, "devices": devices, "args": tiny_args(*common, *args)}
+
+  runs_path, report_path = tmp_path / "runs.json", tmp_path / "report.json"
+  runs_path.write_text(json.dumps([run("one", 1), run("fsdp_expert", 8, "ici_expert_parallelism=4")]))
+  env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0", "JAX_PLATFORMS": "cpu"}
+  result = run_python(["-m", "MaxText.tests.sharded_runs", str(runs_path), str(report_path)], env_extra=env)
+  assert result.returncode == 0, result.stderr[-5000:]
+  report = json.loads(report_path.read_text())
+  assert report["fsdp_expert"]["mesh"]["expert"] == 4 and report["fsdp_expert"]["mesh"]["fsdp"] == 2
+  one, sharded = report["one"]["metrics"]["learning/loss"], report["fsdp_expert"]["metrics"]["learning/loss"]
+  print(f"\nllama4 losses, 1 device {one}\n8 devices {sharded}")
+  np.testing.assert_allclose(sharded, one, rtol=1e-5)
+  assert one[-1] < one[0]
