@@ -137,7 +137,8 @@ def _check_llama4(v):
       f"num_experts_per_tok={v['num_experts_per_tok']}: decoder_block=llama4 routes each token to 1 expert (its "
       "router's sigmoid scales the expert's input, which needs one input per token)"
     )
-  if v["chunk_attn_window_size"] > 0 and v["context_parallel_strategy"] == "ring":
+  context = v["ici_context_parallelism"] * v["dcn_context_parallelism"]
+  if v["chunk_attn_window_size"] > 0 and v["context_parallel_strategy"] == "ring" and context != 1:
     raise ConfigError("context_parallel_strategy=ring does not mask Llama 4's chunks; use all_gather")
 
 

@@ -99,7 +99,9 @@ class Attention(nn.Module):
   projections. Options a family picks: use_rope (False for GPT-3), use_bias (GPT-3), use_qk_norm (Qwen3:
   RMSNorm over head_dim of q and k before RoPE, `query_norm`/`key_norm`; qk_norm_plus_one: scaled by 1 + w, Gemma 3),
   fused_qkv (one `qkv_proj` kernel [E, 3, N, D], needs Nq == Nkv), local (a LocalAttention: the call's `is_local`
-  picks it instead of sliding_window and the RoPE fields; the params are the same).
+  picks it instead of sliding_window and the RoPE fields; the params are the same), attention_chunk (Llama 4's chunked
+  local attention). A family's subclass may override `_rope` and `after_rope` (Llama 4's interleaved RoPE, L2 q/k norm
+  and temperature tuning).
 
   KV cache (decoding): when the model is applied with the `cache` collection mutable (mutable=["cache"]),
   each call writes its keys and values at the slots of their positions in `cache/cached_key` and

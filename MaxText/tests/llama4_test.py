@@ -253,13 +253,13 @@ TINY_LLAMA4 = [
 
 @pytest.mark.slow
 def test_fsdp_by_expert_on_8_devices_trains_as_one_device(tmp_path):
-  """5 steps on 8 CPU devices (fsdp 2 x expert 4: the experts' weights and the tokens split) give the 1-device
+  """3 steps on 8 CPU devices (fsdp 2 x expert 4: the experts' weights and the tokens split) give the 1-device
   losses of the same global batch (relative 1e-5), in one child process (sharded_runs.py; about 30 s)."""
   from MaxText.tests.helpers import run_python, tiny_args  # pylint: disable=import-outside-toplevel
 
   def run(name, devices, *args):
     per_device = "per_device_batch_size=8" if devices == 1 else "per_device_batch_size=1"
-    common = [f"base_output_directory={tmp_path}", f"run_name={name}", per_device, "steps=5", "learning_rate=1e-2"]
+    common = [f"base_output_directory={tmp_path}", f"run_name={name}", per_device, "steps=3", "learning_rate=1e-2"]
     common += ["enable_checkpointing=false", f"metrics_file={tmp_path / name}.jsonl", *TINY_LLAMA4]
     return {"name": name, "devices": devices, "args": tiny_args(*common, *args)}
 
@@ -272,5 +272,25 @@ def test_fsdp_by_expert_on_8_devices_trains_as_one_device(tmp_path):
   assert report["fsdp_expert"]["mesh"]["expert"] == 4 and report["fsdp_expert"]["mesh"]["fsdp"] == 2
   one, sharded = report["one"]["metrics"]["learning/loss"], report["fsdp_expert"]["metrics"]["learning/loss"]
   print(f"\nllama4 losses, 1 device {one}\n8 devices {sharded}")
+  print({name: round(run["seconds"], 1) for name, run in report.items() if isinstance(run, dict)})
   np.testing.assert_allclose(sharded, one, rtol=1e-5)
   assert one[-1] < one[0]
+
+
+def test_what_cannot_mask_the_chunks_is_one_line():
+  """cuDNN's kernels cannot express the chunked mask (autoselected falls back to dot_product on GPU); ring context
+  parallelism does not mask it; a token goes to one expert."""
+  from MaxText.configuration import attention_selection  # pylint: disable=import-outside-toplevel
+  from MaxText.errors import ConfigError  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.helpers import tiny_config  # pylint: disable=import-outside-toplevel
+
+  values = tiny_config(*TINY_LLAMA4, "dtype=bfloat16").get_keys()
+  assert attention_selection.select({**values, "attention": "autoselected"}, "gpu") == "dot_product"
+  with pytest.raises(ConfigError, match="cudnn_flash_jax cannot run with chunk_attn_window_size=8"):
+    attention_selection.select({**values, "attention": "cudnn_flash_jax"}, "gpu")
+  for args, message in (
+    (["ici_context_parallelism=2", "context_parallel_strategy=ring"], "ring does not mask Llama 4's chunks"),
+    (["num_experts_per_tok=2"], "routes each token to 1 expert"),
+  ):
+    with pytest.raises(ConfigError, match=message):
+      tiny_config(*TINY_LLAMA4, *args)
