@@ -79,13 +79,15 @@ def config_to_maxtext(hf: dict, where: str) -> dict:
   layers = hf_config.require(hf, "num_hidden_layers", where)
   step = hf.get("interleave_moe_layer_step", 1)
   interval = hf.get("no_rope_layer_interval", 4)
-  nope = [i for i, rope in enumerate(hf.get("no_rope_layers") or []) if not rope]
+  # transformers derives no_rope_layers (where none or an empty list) and moe_layers (where null) from the intervals
+  listed, moe = hf.get("no_rope_layers"), hf.get("moe_layers")
+  nope = [i for i, rope in enumerate(listed) if not rope] if listed else _every(interval, layers)
   if layers % LAYERS_PER_BLOCK or step not in (1, 2, 4) or interval not in (1, 2, 4):
     raise UserError(
       f"{where}: MaxText's llama4 needs num_hidden_layers a multiple of {LAYERS_PER_BLOCK}, interleave_moe_layer_step "
       "and no_rope_layer_interval of 1, 2 or 4"
     )
-  if hf.get("moe_layers", _every(step, layers)) != _every(step, layers) or nope not in ([], _every(interval, layers)):
+  if (moe is not None and moe != _every(step, layers)) or nope not in ([], _every(interval, layers)):
     raise UserError(f"{where}: moe_layers or no_rope_layers are not every interleave_moe_layer_step / interval-th layer")
   if hf.get("num_experts_per_tok", 1) != 1:
     raise UserError(f"{where}: num_experts_per_tok={hf['num_experts_per_tok']} is not supported for llama4 (1 only)")

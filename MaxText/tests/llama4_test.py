@@ -294,3 +294,22 @@ def test_what_cannot_mask_the_chunks_is_one_line():
   ):
     with pytest.raises(ConfigError, match=message):
       tiny_config(*TINY_LLAMA4, *args)
+
+
+@pytest.mark.parametrize("model_name", sorted(PRESETS))
+def test_preset_is_what_the_conversion_makes_of_transformers_config(model_name):
+  """The preset's keys are those to_maxtext reads from transformers' Llama4TextConfig of the model (whose defaults
+  are Scout's), Scout's Llama 3.1 RoPE scaling aside (not a default there)."""
+  import yaml  # pylint: disable=import-outside-toplevel
+
+  from MaxText.hf_conversion import llama4  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.helpers import BASE_YML  # pylint: disable=import-outside-toplevel
+
+  hf = transformers.Llama4TextConfig(**PRESETS[model_name]).to_dict()
+  keys = llama4.config_to_maxtext(hf, model_name)
+  with open(os.path.join(os.path.dirname(BASE_YML), "models", f"{model_name}.yml"), encoding="utf-8") as f:
+    preset = yaml.safe_load(f)
+  differ = {k: (v, preset.get(k)) for k, v in keys.items() if k in preset and preset[k] != v}
+  assert differ == {}
+  missing = set(keys) - set(preset) - {"normalize_embedding_logits"}  # a tied-logits key; the presets are untied
+  assert missing == set()
