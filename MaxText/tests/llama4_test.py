@@ -204,7 +204,7 @@ LORA_MODULES = "^decoder/layers/layer_[0-3]/(self_attention/[a-z]+|mlp/(wi_0|wi_
 @pytest.mark.slow
 def test_lora_run_exports_to_peft_with_our_logits(converted, tmp_path):
   """A LoRA run's PEFT export (adapters on the dense layers only in some HF layers: a target_modules regex) loads in
-  PEFT onto the HF base with our logits (1e-4), as does the --merge_lora export (about 25 s)."""
+  PEFT onto the HF base with our logits (1e-4), as does the --merge_lora export (about 20 s; 40 s cold)."""
   from MaxText.tests.helpers import lora_run  # pylint: disable=import-outside-toplevel
   from MaxText.tests.tiny_models import exports_give_our_logits  # pylint: disable=import-outside-toplevel
 
@@ -254,7 +254,7 @@ TINY_LLAMA4 = [
 @pytest.mark.slow
 def test_fsdp_by_expert_on_8_devices_trains_as_one_device(tmp_path):
   """3 steps on 8 CPU devices (fsdp 2 x expert 4: the experts' weights and the tokens split) give the 1-device
-  losses of the same global batch (relative 1e-5), in one child process (sharded_runs.py; about 30 s)."""
+  losses of the same global batch (relative 1e-5), in one child process (sharded_runs.py; about 20 s; 40 s cold)."""
   from MaxText.tests.helpers import run_python, tiny_args  # pylint: disable=import-outside-toplevel
 
   def run(name, devices, *args):
