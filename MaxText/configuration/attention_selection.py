@@ -28,6 +28,8 @@ def _cudnn_obstacle(values) -> str:
     return f"dtype={values['dtype']} (cuDNN flash attention needs {' or '.join(CUDNN_DTYPES)})"
   if values.get("decoder_block") == "deepseek":
     return "decoder_block=deepseek (its multi-head latent attention runs dot_product or flash)"
+  if values.get("decoder_block") == "llama4" and values.get("chunk_attn_window_size"):
+    return f"chunk_attn_window_size={values['chunk_attn_window_size']} (cuDNN cannot express Llama 4's chunked mask)"
   if values["attn_logits_soft_cap"]:
     return f"attn_logits_soft_cap={values['attn_logits_soft_cap']} (cuDNN has no logits soft cap)"
   head_dim = values["head_dim"]

@@ -15,10 +15,13 @@ DECODER_BLOCKS = (
   "qwen3",
   "qwen3_moe",
   "deepseek",
+  "llama4",
 )
 # Decoder layers in one block of the stack, where not 1 (Gemma 2 stacks (local, global) pairs): the one place that
 # says it, read by the config checks (before JAX starts), the decoder stack and the quantization recipes.
-DECODER_LAYERS_PER_BLOCK = {"gemma2": 2}
+# Llama 4's block is 4 layers, lcm of its MoE interleave and NoPE interval (each of 1, 2 or 4): upstream's
+# inhomogeneous_layer_cycle_interval, so each layer's kind is static within the block.
+DECODER_LAYERS_PER_BLOCK = {"gemma2": 2, "llama4": 4}
 
 
 def layers_per_block(decoder_block: str) -> int:

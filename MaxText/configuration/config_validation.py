@@ -76,9 +76,9 @@ def _check_layer_options(v):
     )
   if v["rope_scaling_factor"] > 0:
     low, high = v["rope_scaling_low_freq_factor"], v["rope_scaling_high_freq_factor"]
-    if not 0 < low < high:
+    if not 0 < low <= high:
       raise ConfigError(
-        f"rope_scaling_low_freq_factor={low} and rope_scaling_high_freq_factor={high} must satisfy 0 < low < high"
+        f"rope_scaling_low_freq_factor={low} and rope_scaling_high_freq_factor={high} must satisfy 0 < low <= high"
       )
   if v["fused_qkv"] and v["base_num_query_heads"] != v["base_num_kv_heads"]:
     raise ConfigError(
@@ -126,6 +126,20 @@ def _check_deepseek(v):
   for key, value in unsupported.items():
     if value:
       raise ConfigError(f"{key}={value} is not supported with decoder_block=deepseek (multi-head latent attention)")
+
+
+def _check_llama4(v):
+  """What Llama 4's layers cannot do is refused by name (cuDNN's mask: attention_selection)."""
+  if v["decoder_block"] != "llama4":
+    return
+  if v["num_experts_per_tok"] != 1:
+    raise ConfigError(
+      f"num_experts_per_tok={v['num_experts_per_tok']}: decoder_block=llama4 routes each token to 1 expert (its "
+      "router's sigmoid scales the expert's input, which needs one input per token)"
+    )
+  context = v["ici_context_parallelism"] * v["dcn_context_parallelism"]
+  if v["chunk_attn_window_size"] > 0 and v["context_parallel_strategy"] == "ring" and context != 1:
+    raise ConfigError("context_parallel_strategy=ring does not mask Llama 4's chunks; use all_gather")
 
 
 def _check_activations(v):
@@ -298,6 +312,7 @@ def validate_model(values: dict) -> None:
   _check_activations(values)
   _check_layer_options(values)
   _check_deepseek(values)
+  _check_llama4(values)
 
 
 def validate_static(values: dict, reads_data: bool = True) -> None:

@@ -131,7 +131,7 @@ def to_maxtext(hf_path: str, output_dir: str, peft_adapter: str = "") -> str:
   for array in arrays:
     dtype = checkpoint.dtype(array.slices[0].hf_name)
     stores[array.keys] = writer.create(("params", *array.keys), array.shape, dtype, array.stacked_axes)
-  total = sum(plan.nbytes(shape, checkpoint.dtype(name)) for name, shape, _, _, _ in tensors)
+  total = sum(plan.nbytes(array.slice_shape, checkpoint.dtype(name)) for name, _, _, array, _ in tensors)
   with _Progress(total, len(tensors), "HF -> MaxText") as bar:
     for name, _, op, array, s in tensors:
       store = stores[array.keys]
@@ -261,7 +261,12 @@ def to_hf(maxtext_dir: str, output_dir: str, merge_lora: bool = False) -> str:
   arrays = plan.plan(
     family, {k: tuple(s.shape) for k, s in stores.items()}, config.param_scan_axis, config.logits_via_embedding, params_dir
   )
-  tensors = [(name, shape, stores[array.keys].dtype.numpy_dtype) for name, shape, _, array, _ in plan.hf_tensors(arrays)]
+  by_name = {}  # an HF tensor's name -> its pieces (op, array, slice): two where a table splits it (tables.HALVES)
+  tensors = []
+  for name, shape, op, array, s in plan.hf_tensors(arrays):
+    if name not in by_name:
+      tensors.append((name, shape, stores[array.keys].dtype.numpy_dtype))
+    by_name.setdefault(name, []).append((op, array, s))
   os.makedirs(output_dir, exist_ok=True)
   shards = hf_io.plan_shards(tensors)
   files = (
@@ -269,13 +274,11 @@ def to_hf(maxtext_dir: str, output_dir: str, merge_lora: bool = False) -> str:
     if len(shards) == 1
     else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
   )
-  by_name = {name: (op, array, s) for name, _, op, array, s in plan.hf_tensors(arrays)}
   with _Progress(sum(plan.nbytes(s, d) for _, s, d in tensors), len(tensors), "MaxText -> HF") as bar:
     for shard, file in zip(shards, files):
       writer = hf_io.SafetensorsWriter(os.path.join(output_dir, file), shard)
       for name, _, _ in shard:
-        op, array, s = by_name[name]
-        value = tables.to_hf(maxtext_io.read(stores[array.keys], s.index), op)
+        value = tables.join_to_hf([(op, maxtext_io.read(stores[a.keys], s.index)) for op, a, s in by_name[name]])
         writer.write(name, value)
         bar.update(value.nbytes)
       writer.close()
@@ -295,7 +298,11 @@ def _write_hf_config(family, config, source_dir: str, output_dir: str, dtypes: s
     with open(source, encoding="utf-8") as f:
       hf_cfg = json.load(f)
     hf_cfg.pop("rope_parameters", None)  # written again below, in the form both transformers 4 and 5 read
-  hf_cfg.update(family.config_to_hf(config))
+  written = family.config_to_hf(config)
+  if hf_cfg.get("model_type") != written["model_type"] and isinstance(hf_cfg.get("text_config"), dict):
+    hf_cfg = dict(hf_cfg["text_config"])  # a multimodal source (its text model converted): the text model's keys
+    hf_cfg.pop("rope_parameters", None)
+  hf_cfg.update(written)
   dtype = dtypes.pop() if len(dtypes) == 1 else "float32"
   hf_cfg["torch_dtype"] = dtype
   hf_cfg.pop("dtype", None)

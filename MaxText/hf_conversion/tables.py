@@ -15,7 +15,10 @@ from MaxText.configuration import common_types
 #   transpose  MLP and router kernels, logits                 (out, in) -> (in, out)
 #   heads_in   query/key/value projections                    (N*D, E) -> (E, N, D)
 #   heads_out  attention output projection                    (E, N*D) -> (N, D, E)
-OPS = ("identity", "transpose", "heads_in", "heads_out")
+#   first_half, second_half   one of two params fused on the HF tensor's last axis (Llama 4's experts' gate_up_proj)
+#                                                              (..., 2M) -> (..., M)
+OPS = ("identity", "transpose", "heads_in", "heads_out", "first_half", "second_half")
+HALVES = ("first_half", "second_half")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,13 +52,24 @@ def to_maxtext(x: np.ndarray, op: str, shape: tuple) -> np.ndarray:
   """One HF tensor (one layer, one expert) in MaxText's layout, of the MaxText slice's `shape`."""
   if op == "identity":
     return x
+  if op in HALVES:
+    half = x.shape[-1] // 2
+    return x[..., :half] if op == "first_half" else x[..., half:]
   if op == "transpose":
     return x.T
   return x.T.reshape(shape)  # heads_in (N*D, E) -> (E, N, D); heads_out (E, N*D) -> (N, D, E)
 
 
+def join_to_hf(pieces: list[tuple[str, np.ndarray]]) -> np.ndarray:
+  """One HF tensor from its (op, MaxText slice) pieces: one piece (to_hf), or the two HALVES joined."""
+  if len(pieces) == 1:
+    return to_hf(pieces[0][1], pieces[0][0])
+  halves = dict(pieces)
+  return np.concatenate([halves["first_half"], halves["second_half"]], axis=-1)
+
+
 def to_hf(x: np.ndarray, op: str) -> np.ndarray:
-  """The inverse of to_maxtext."""
+  """The inverse of to_maxtext (of one piece)."""
   if op == "identity":
     return x
   if op == "transpose":
@@ -69,6 +83,8 @@ def hf_shape(maxtext_shape: tuple, op: str) -> tuple:
   """The HF tensor shape that to_maxtext turns into `maxtext_shape` (one layer, one expert)."""
   if op == "identity":
     return tuple(maxtext_shape)
+  if op in HALVES:
+    return (*maxtext_shape[:-1], 2 * maxtext_shape[-1])
   if op == "transpose":
     return tuple(reversed(maxtext_shape))
   if op == "heads_in":

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def attention_mask(segment_ids, sliding_window: int = 0, order=None):
+def attention_mask(segment_ids, sliding_window: int = 0, order=None, chunk: int = 0):
   """Causal mask within packed segments: query t sees key s iff s <= t and both are in the same segment.
 
   Args:
@@ -15,6 +15,7 @@ def attention_mask(segment_ids, sliding_window: int = 0, order=None):
     sliding_window: > 0 also requires t - s < sliding_window (each query sees itself and the window-1 keys
       before it, as transformers' sliding-window mask).
     order: (T,) the original index of each token when the sequence is reordered (context_parallel), else None.
+    chunk: > 0 also requires t // chunk == s // chunk (Llama 4's chunked local attention).
   Returns:
     (B, 1, 1, T, S) boolean mask, broadcastable over (kv_heads, group).
   """
@@ -23,6 +24,8 @@ def attention_mask(segment_ids, sliding_window: int = 0, order=None):
   allowed = t[None, :] <= t[:, None]  # (T, S) causal
   if sliding_window > 0:
     allowed &= t[:, None] - t[None, :] < sliding_window
+  if chunk > 0:
+    allowed &= t[:, None] // chunk == t[None, :] // chunk
   same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]  # (B, T, S)
   return (same_segment & allowed)[:, None, None, :, :]
 
@@ -32,13 +35,14 @@ def soft_cap(x, cap: float):
   return jnp.tanh(x / cap) * cap
 
 
-def cache_mask(positions, cache_length: int, sliding_window: int = 0):
+def cache_mask(positions, cache_length: int, sliding_window: int = 0, chunk: int = 0):
   """Which cache slots each query sees while decoding, where slot s holds the key of position s.
 
   Args:
     positions: (B, T) positions of the queries (their keys are already written at those slots).
     cache_length: S, the slots in the cache.
     sliding_window: > 0 also requires t - s < sliding_window, as attention_mask.
+    chunk: > 0 also requires t // chunk == s // chunk, as attention_mask.
   Returns:
     (B, 1, 1, T, S) boolean mask. Slots after a query's position (not yet written, or the padding of a
     prompt) are masked by causality.
@@ -48,4 +52,6 @@ def cache_mask(positions, cache_length: int, sliding_window: int = 0):
   allowed = s <= t
   if sliding_window > 0:
     allowed &= t - s < sliding_window
+  if chunk > 0:
+    allowed &= t // chunk == s // chunk
   return allowed[:, None, None, :, :]

@@ -28,6 +28,7 @@ def dot_product_attention(
   logits_soft_cap: float = 0.0,
   float32_logits: bool = True,
   layout: context_parallel.ContextParallel = context_parallel.NONE,
+  chunk: int = 0,
 ):
   """softmax(soft_cap(q k^T) + mask) v with grouped-query heads; the softmax scale is already in the query.
 
@@ -36,6 +37,7 @@ def dot_product_attention(
     segment_ids: (B, T) packed-segment ids.
     sliding_window: > 0 limits each query to that many most recent keys (itself included).
     logits_soft_cap: > 0 caps the logits with soft_cap before masking.
+    chunk: > 0 limits each query to the keys of its chunk of that many tokens (Llama 4).
     layout: the sequence's layout (context_parallel): its token order, and under context parallelism every key
       and value is gathered for the local queries (all_gather).
   Returns:
@@ -45,7 +47,7 @@ def dot_product_attention(
     gathered = ("activation_kv_batch", None, "activation_kv_heads", None)
     key, value = nn.with_logical_constraint(key, gathered), nn.with_logical_constraint(value, gathered)
   order = layout.token_order(query.shape[1]) if layout.load_balance else None
-  mask = attention_mask(segment_ids, sliding_window, order)
+  mask = attention_mask(segment_ids, sliding_window, order, chunk)
   return masked_attention(query, key, value, mask, logits_soft_cap=logits_soft_cap, float32_logits=float32_logits)
 
 
@@ -97,7 +99,9 @@ class Attention(nn.Module):
   projections. Options a family picks: use_rope (False for GPT-3), use_bias (GPT-3), use_qk_norm (Qwen3:
   RMSNorm over head_dim of q and k before RoPE, `query_norm`/`key_norm`; qk_norm_plus_one: scaled by 1 + w, Gemma 3),
   fused_qkv (one `qkv_proj` kernel [E, 3, N, D], needs Nq == Nkv), local (a LocalAttention: the call's `is_local`
-  picks it instead of sliding_window and the RoPE fields; the params are the same).
+  picks it instead of sliding_window and the RoPE fields; the params are the same), attention_chunk (Llama 4's chunked
+  local attention). A family's subclass may override `_rope` and `after_rope` (Llama 4's interleaved RoPE, L2 q/k norm
+  and temperature tuning).
 
   KV cache (decoding): when the model is applied with the `cache` collection mutable (mutable=["cache"]),
   each call writes its keys and values at the slots of their positions in `cache/cached_key` and
@@ -131,6 +135,7 @@ class Attention(nn.Module):
   use_qk_norm: bool = False
   qk_norm_plus_one: bool = False
   local: LocalAttention | None = None
+  attention_chunk: int = 0  # > 0: each query sees the keys of its chunk only (Llama 4; dot_product and flash)
   # How the sequence is laid out over the devices (context parallelism); from the config (block_parts).
   layout: context_parallel.ContextParallel = context_parallel.NONE
 
@@ -193,6 +198,12 @@ class Attention(nn.Module):
     )
     return rope(query, positions), rope(key, positions)
 
+  def after_rope(self, query, key, positions):
+    """What a family does to the queries and keys between RoPE and the softmax scale (Llama 4: its L2 norm and
+    temperature tuning); nothing here."""
+    del positions
+    return query, key
+
   def _window(self, is_local: bool) -> int:
     return self.local.sliding_window if is_local else self.sliding_window
 
@@ -207,6 +218,8 @@ class Attention(nn.Module):
     kernel = kernels[self.attention_kernel]
     if self.layout.ring:  # the config allows ring with dot_product only
       kernel = functools.partial(sharded_ring_attention, layout=self.layout)
+    if self.attention_chunk:  # the config allows it with dot_product and flash only
+      kernel = functools.partial(kernel, chunk=self.attention_chunk)
     return kernel(
       query, key, value, segment_ids, sliding_window=self._window(is_local), logits_soft_cap=self.logits_soft_cap
     )
@@ -230,6 +243,7 @@ class Attention(nn.Module):
       )
       query, key = norm(name="query_norm")(query), norm(name="key_norm")(key)
     query, key = choose(is_local, functools.partial(self._rope, query, key, positions))
+    query, key = self.after_rope(query, key, positions)
     # The softmax scale is applied here, not folded into the query kernel, so that checkpoints convert by
     # permutation only. Scaling q (not the logits) serves every kernel, flash included.
     query = nn.with_logical_constraint(
@@ -237,7 +251,9 @@ class Attention(nn.Module):
     )
     if self.is_mutable_collection("cache") and not self.is_initializing():
       key, value = self._update_cache(key, value, positions)  # (B, S, Nkv, D): every slot
-      mask = choose(is_local, lambda local: cache_mask(positions, self.cache_length, self._window(local)))
+      mask = choose(
+        is_local, lambda local: cache_mask(positions, self.cache_length, self._window(local), self.attention_chunk)
+      )
       out = masked_attention(query, key, value, mask, logits_soft_cap=self.logits_soft_cap)
     else:
       out = choose(is_local, functools.partial(self._attend, query, key, value, segment_ids))

@@ -55,9 +55,9 @@ def rope_scaling(config) -> Llama3RopeScaling | LinearRopeScaling | None:
   )
 
 
-def self_attention(config, gemm: Gemm, name: str = "self_attention", **family_options) -> Attention:
-  """Attention from the config; family_options (use_rope, use_bias, use_qk_norm, sliding_window, local, ...) override
-  it."""
+def self_attention(config, gemm: Gemm, name: str = "self_attention", attention_cls=Attention, **family_options):
+  """Attention (or a family's subclass, attention_cls) from the config; family_options (use_rope, use_bias,
+  use_qk_norm, sliding_window, local, ...) override it."""
   options = dict(
     num_query_heads=config.num_query_heads,
     num_kv_heads=config.num_kv_heads,
@@ -81,7 +81,7 @@ def self_attention(config, gemm: Gemm, name: str = "self_attention", **family_op
     weight_dtype=config.weight_dtype,
   )
   options.update(family_options)
-  return Attention(**options, name=name)
+  return attention_cls(**options, name=name)
 
 
 def mlp(config, gemm: Gemm, name: str = "mlp", use_bias: bool = False) -> MlpBlock:

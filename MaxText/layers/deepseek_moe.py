@@ -17,7 +17,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from MaxText.layers import initializers, moe
-from MaxText.layers.linears import PLAIN, Gemm, MlpBlock
+from MaxText.layers.linears import PLAIN, Gemm
 from MaxText.layers.moe_experts import ExpertsConfig, routed_experts
 
 
@@ -97,15 +97,5 @@ class DeepSeekMoeBlock(nn.Module):
 
     y = routed_experts(self, x, weights, experts, self.num_experts, self.intermediate_dim, self.activations, self.experts)
     if self.shared_experts > 0:
-      shared = MlpBlock(
-        self.shared_experts * self.intermediate_dim,
-        self.activations,
-        dropout_rate=0.0,
-        dtype=self.dtype,
-        weight_dtype=self.weight_dtype,
-        fused=False,
-        gemm=self.gemm,
-        name="shared_experts",
-      )
-      y = y + shared(x, deterministic=True)
+      y = y + moe.shared_experts(self, x)
     return y

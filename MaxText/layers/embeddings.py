@@ -64,8 +64,9 @@ class Llama3RopeScaling:
     high_wavelen = f32(self.original_max_position_embeddings / self.high_freq_factor)
     wavelen = f32(2 * math.pi) / inv_freq
     scaled = np.where(wavelen > low_wavelen, inv_freq / f32(self.factor), inv_freq)
+    # low == high (Llama 4 Scout) leaves no band to interpolate: max() only keeps the unused division finite.
     smooth = (f32(self.original_max_position_embeddings) / wavelen - f32(self.low_freq_factor)) / f32(
-      self.high_freq_factor - self.low_freq_factor
+      max(self.high_freq_factor - self.low_freq_factor, 1e-6)
     )
     smoothed = (1 - smooth) * scaled / f32(self.factor) + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)

@@ -27,26 +27,29 @@ class _OrderedCausalMask(splash_mask._ComputableMask):  # pylint: disable=protec
   """Causal (and local, with a window) over keys in the original order, for queries laid out in `order`: the query
   at row r is the token order[r] of the sequence (load-balanced context parallelism)."""
 
-  def __init__(self, order: np.ndarray, sliding_window: int):
-    self.order, self.sliding_window = order, sliding_window
+  def __init__(self, order: np.ndarray, sliding_window: int, chunk: int = 0):
+    self.order, self.sliding_window, self.chunk = order, sliding_window, chunk
 
     def visible(q_ids, kv_ids):  # q_ids: original indices (from q_sequence); runs on numpy and in the kernel
       allowed = q_ids >= kv_ids
       if sliding_window > 0:
         allowed &= q_ids - kv_ids < sliding_window
+      if chunk > 0:
+        allowed &= q_ids // chunk == kv_ids // chunk
       return allowed
 
     super().__init__(shape=(len(order), len(order)), mask_function=visible)
     self.q_sequence = order
 
   def __eq__(self, other):
-    return isinstance(other, _OrderedCausalMask) and (self.sliding_window, self.order.tobytes()) == (
+    return isinstance(other, _OrderedCausalMask) and (self.sliding_window, self.chunk, self.order.tobytes()) == (
       other.sliding_window,
+      other.chunk,
       other.order.tobytes(),
     )
 
   def __hash__(self):
-    return hash((type(self), self.sliding_window, self.order.tobytes()))
+    return hash((type(self), self.sliding_window, self.chunk, self.order.tobytes()))
 
 
 def _kernel(
@@ -57,6 +60,7 @@ def _kernel(
   interpret: bool,
   order: np.ndarray | None = None,
   q_shards: int = 1,
+  chunk: int = 0,
 ):
   """The splash kernel for `length` tokens whose queries are split into q_shards; `order`: the queries' original
   indices when they are reordered (else None)."""
@@ -72,7 +76,9 @@ def _kernel(
     block_kv_dq=block,
   )
   if order is not None:
-    head_mask = _OrderedCausalMask(order, sliding_window)
+    head_mask = _OrderedCausalMask(order, sliding_window, chunk)
+  elif chunk > 0:  # causal within chunks of `chunk` tokens (Llama 4)
+    head_mask = splash_mask.ChunkedCausalMask((length, length), chunk_size=chunk)
   elif sliding_window > 0:  # causal, and t - s < sliding_window
     head_mask = splash_mask.LocalMask((length, length), window_size=(sliding_window - 1, 0), offset=0)
   else:
@@ -125,6 +131,7 @@ def flash_attention(
   logits_soft_cap: float = 0.0,
   interpret: bool | None = None,
   layout: context_parallel.ContextParallel = context_parallel.NONE,
+  chunk: int = 0,
 ):
   """Causal, segment-masked attention with the splash kernel. Shapes and options as dot_product_attention.
 
@@ -135,7 +142,9 @@ def flash_attention(
   mesh = jax.sharding.get_abstract_mesh()
   interpret = _compiles_for_cpu(mesh) if interpret is None else interpret
   length, num_heads = query.shape[1], query.shape[2]
-  make = functools.partial(_kernel, length=length, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+  make = functools.partial(
+    _kernel, length=length, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, chunk=chunk
+  )
   make = functools.partial(make, interpret=interpret)
   if mesh.empty:
     return _local_attention(make(num_heads), query, key, value, segment_ids, segment_ids)

@@ -18,6 +18,7 @@ from MaxText.layers import (
   gemma3,
   gpt3,
   linears,
+  llama4,
   pipeline,
   quantizations,
   remat,
@@ -46,6 +47,7 @@ DECODER_BLOCKS = {
   "qwen3": DecoderFamily(Qwen3DecoderLayer),
   "qwen3_moe": DecoderFamily(Qwen3MoeDecoderLayer),
   "deepseek": deepseek.FAMILY,
+  "llama4": llama4.FAMILY,
 }
 
 # Collections that the scanned layers stack on axis 0 besides their params: sown statistics (e.g. MoE routing, for

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from MaxText.layers import microbatch_combine
-from MaxText.layers.linears import DenseGeneral
+from MaxText.layers.linears import DenseGeneral, MlpBlock
 from MaxText.layers.moe_experts import ExpertsConfig, routed_experts
 
 # Names of the per-layer routing statistics sown into the "intermediates" collection, each per batch row (sums over
@@ -181,6 +181,23 @@ def sequence_balance_loss(intermediates, num_experts: int, num_experts_per_tok: 
   per_sequence = num_experts / num_experts_per_tok * jnp.sum(choices * probs, axis=-1) / jnp.maximum(tokens, 1.0) ** 2
   real = (tokens > 0).astype(jnp.float32)  # rows of padding only are left out
   return jnp.sum(per_sequence * real) / jnp.maximum(jnp.sum(real), 1.0)
+
+
+def shared_experts(module: nn.Module, x):
+  """The shared experts' output: a dense gated MLP of module.shared_experts x module.intermediate_dim that every token
+  goes through (DeepSeek-V3's, Llama 4's), declared on `module` as shared_experts (called from its compact __call__),
+  multiplying with module.gemm. x (B, T, D) -> (B, T, D)."""
+  mlp = MlpBlock(
+    module.shared_experts * module.intermediate_dim,
+    module.activations,
+    dropout_rate=0.0,
+    dtype=module.dtype,
+    weight_dtype=module.weight_dtype,
+    fused=False,
+    gemm=module.gemm,
+    name="shared_experts",
+  )
+  return mlp(x, deterministic=True)
 
 
 class MoeBlock(nn.Module):

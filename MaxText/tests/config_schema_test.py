@@ -85,7 +85,7 @@ def test_the_switches_are_those_the_companion_warnings_named():
     "quantize_kvcache=true": ["kv_quant_axis", "kv_quant_dtype"],
     "use_sft=true": ["sft_train_on_completion_only"],
     "use_dpo=true": ["dpo_beta", "dpo_label_smoothing"],
-    "decoder_block=mixtral|qwen3_moe|deepseek": [
+    "decoder_block=mixtral|qwen3_moe|deepseek|llama4": [
       "num_experts",
       "num_experts_per_tok",
       "capacity_factor",
@@ -131,8 +131,6 @@ def test_the_switches_are_those_the_companion_warnings_named():
     "decoder_block=gemma3": ["local_rope_max_timescale"],
     "decoder_block=deepseek": [
       "first_num_dense_layers",
-      "base_moe_mlp_dim",
-      "shared_experts",
       "n_routing_groups",
       "topk_routing_group",
       "routed_scaling_factor",
@@ -144,6 +142,15 @@ def test_the_switches_are_those_the_companion_warnings_named():
       "qk_rope_head_dim",
       "v_head_dim",
     ],
+    "decoder_block=deepseek|llama4": ["base_moe_mlp_dim", "shared_experts"],
+    "decoder_block=llama4": [
+      "interleave_moe_layer_step",
+      "nope_layer_interval",
+      "chunk_attn_window_size",
+      "use_qk_norm",
+      "temperature_tuning",
+    ],
+    "temperature_tuning=true": ["temperature_tuning_scale", "temperature_tuning_floor_scale"],
     "rope_type=yarn": ["rope_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale"],
   }
 

@@ -37,6 +37,9 @@ PUBLISHED = {
   "gemma3-27b": (27_016_000_000, "Gemma 3 Technical Report, Table 1: 1,416M + 25,600M (vision encoder 417M apart)"),
   # Without the multi-token prediction module (the Hugging Face checkpoint's 685B include its 14B).
   "deepseek3-671b": (671_000_000_000, "DeepSeek-V3 Technical Report: 671B total parameters, 37B activated"),
+  # Llama 4: the text model (llama4_test.py checks the exact count against transformers' of the same config).
+  "llama4-17b-16e": (107_800_000_000, "meta-llama/Llama-4-Scout-17B-16E: 17B active, 16 experts; text model 107.8B"),
+  "llama4-17b-128e": (400_000_000_000, "meta-llama/Llama-4-Maverick-17B-128E model card: 17B active, 400B total"),
   "gpt3-175b": (175_000_000_000, "Brown et al. 2020, Language Models are Few-Shot Learners, Table 2.1 (175.0B)"),
   "qwen3-0.6b": (596_049_920, "Qwen/Qwen3-0.6B"),
   "qwen3-8b": (8_190_735_360, "Qwen/Qwen3-8B"),

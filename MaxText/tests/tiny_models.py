@@ -194,6 +194,45 @@ def build_hf_model(directory: str, family: str, dtype=None, **save_kwargs) -> st
   return directory
 
 
+def step0_losses(hf_dir: str, maxtext_dir: str, tokens: np.ndarray) -> tuple[float, float]:
+  """(train_step's loss without auxiliary terms on the converted params in maxtext_dir, transformers' loss with
+  labels of hf_dir's model), on tokens (B, T): T - 1 inputs and their next tokens, in float32."""
+  import os  # pylint: disable=import-outside-toplevel
+
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+
+  from MaxText.features import selection  # pylint: disable=import-outside-toplevel
+  from MaxText.hf_conversion import converter, logit_check  # pylint: disable=import-outside-toplevel
+  from MaxText.training import train_step  # pylint: disable=import-outside-toplevel
+
+  model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+  with torch.no_grad():
+    ids = torch.from_numpy(np.asarray(tokens)).long()
+    expected = float(model(ids, labels=ids).loss)
+  length = tokens.shape[1] - 1
+  config, ours, params = logit_check.converted_model(
+    os.path.join(maxtext_dir, converter.MODEL_YML),
+    os.path.join(maxtext_dir, converter.PARAMS_DIR),
+    length,
+    load_balance_loss_weight=0.0,
+  )
+  positions = np.broadcast_to(np.arange(length, dtype=np.int32), (tokens.shape[0], length))
+  ones = np.ones_like(positions)
+  batch = dict(
+    inputs=tokens[:, :-1],
+    targets=tokens[:, 1:],
+    inputs_position=positions,
+    inputs_segmentation=ones,
+    targets_segmentation=ones,
+  )
+  with jax.default_matmul_precision("float32"):
+    loss, aux = train_step.loss_fn(
+      ours, config, selection.for_config(config), params, batch, jax.random.PRNGKey(0), train=True
+    )
+  return float(loss / aux.weights), expected
+
+
 # The SFT, DPO, LoRA and QLoRA tests' tiny llama (vocab 320: the chat tokenizer's), randomized its own way. Not
 # build_hf_model's "llama" (vocab 256, other random weights), which convert_checkpoint_test's figures rest on.
 HF_LLAMA = dict(

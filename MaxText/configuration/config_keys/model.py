@@ -17,8 +17,10 @@ from MaxText.configuration.config_keys import NON_NEGATIVE, POSITIVE, Key, On, R
 
 _FP8 = On("quantization", "fp8")
 _KV_CACHE = On("quantize_kvcache", True)
-_MOE = On("decoder_block", "mixtral", "qwen3_moe", "deepseek")  # the decoder blocks with a mixture of experts
+_MOE = On("decoder_block", "mixtral", "qwen3_moe", "deepseek", "llama4")  # the decoder blocks with a mixture of experts
 _DEEPSEEK = On("decoder_block", "deepseek")
+_SHARED_EXPERTS = On("decoder_block", "deepseek", "llama4")
+_LLAMA4 = On("decoder_block", "llama4")
 _YARN = On("rope_type", "yarn")
 
 _TILE = Range(1, also=(-1,), says="-1 (from the shapes) or a positive tile size")
@@ -119,11 +121,11 @@ SECTIONS = {
       range=Range(0),
       acts_with=_DEEPSEEK,
     ),
-    "base_moe_mlp_dim": Key("deepseek: each expert's MLP width.", range=POSITIVE, acts_with=_DEEPSEEK),
+    "base_moe_mlp_dim": Key("deepseek, llama4: each expert's MLP width.", range=POSITIVE, acts_with=_SHARED_EXPERTS),
     "shared_experts": Key(
-      "deepseek: experts that every token goes to (one MLP of shared x base_moe_mlp_dim); 0: none.",
+      "deepseek, llama4: experts that every token goes to (one MLP of shared x base_moe_mlp_dim); 0: none.",
       range=Range(0),
-      acts_with=_DEEPSEEK,
+      acts_with=_SHARED_EXPERTS,
     ),
     "n_routing_groups": Key(
       "deepseek: groups of experts (a divisor of num_experts); a token searches its best topk_routing_group.",
@@ -142,6 +144,36 @@ SECTIONS = {
       "deepseek, routed_bias: the bias moves by this after each step (up if underloaded, down if over).",
       range=NON_NEGATIVE,
       acts_with=_DEEPSEEK,
+    ),
+    "interleave_moe_layer_step": Key(
+      "llama4: every this-th layer has experts (1: all; 2: dense and MoE alternate); 1, 2 or 4.",
+      choices=(1, 2, 4),
+      acts_with=_LLAMA4,
+    ),
+    "nope_layer_interval": Key(
+      "llama4: every this-th layer has no RoPE (NoPE), and attends globally; -1: none; 1, 2 or 4.",
+      choices=(-1, 1, 2, 4),
+      acts_with=_LLAMA4,
+    ),
+    "chunk_attn_window_size": Key(
+      "llama4: the RoPE layers attend within chunks of this many tokens (chunked local attention); 0: off.",
+      range=Range(0),
+      acts_with=_LLAMA4,
+    ),
+    "use_qk_norm": Key("llama4: L2-normalise each query and key head after RoPE (on the RoPE layers).", acts_with=_LLAMA4),
+    "temperature_tuning": Key(
+      "llama4: scale the NoPE layers' queries by 1 + scale x log(1 + floor((position + 1) / floor_scale)).",
+      acts_with=_LLAMA4,
+    ),
+    "temperature_tuning_scale": Key(
+      "llama4, temperature_tuning: the scale (transformers' attn_scale).",
+      range=NON_NEGATIVE,
+      acts_with=On("temperature_tuning", True),
+    ),
+    "temperature_tuning_floor_scale": Key(
+      "llama4, temperature_tuning: positions per step of the log (transformers' floor_scale).",
+      range=POSITIVE,
+      acts_with=On("temperature_tuning", True),
     ),
     "mtp_num_layers": Key(
       "Multi-token prediction depths (one decoder layer each; depth k predicts the token k + 1 ahead); 0: none.",
