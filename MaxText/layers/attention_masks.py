@@ -1,26 +1,52 @@
 """The masks of causal self-attention (packed segments, sliding windows, decoding's cache slots) and the logits'
 soft cap: shared by every attention kernel written in JAX (attentions.py, ring_attention.py)."""
 
+import flax.struct
+import jax
 import jax.numpy as jnp
 
 # Large negative instead of -inf: a fully masked row then gives a uniform softmax instead of NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
+@flax.struct.dataclass
+class ImageSegments:
+  """segment_ids where images' soft tokens sit in the text (Gemma 3): the tokens of one image attend to each other both
+  ways, the rest causally. The stack passes it where it passes segment_ids; dot_product attention reads it.
+
+  Attributes:
+    ids: (B, T) packed-segment ids (0 = padding).
+    blocks: (B, T) the image run of each token (vision_encoder.image_blocks), -1 for text.
+  """
+
+  ids: jax.Array
+  blocks: jax.Array
+
+  @property
+  def shape(self):
+    return self.ids.shape
+
+
 def attention_mask(segment_ids, sliding_window: int = 0, order=None):
   """Causal mask within packed segments: query t sees key s iff s <= t and both are in the same segment.
 
   Args:
-    segment_ids: (B, T) segment of each token (0 = padding).
+    segment_ids: (B, T) segment of each token (0 = padding), or ImageSegments: also both ways within an image's
+      tokens (within the window, as transformers' Gemma 3: window & (causal | same image)).
     sliding_window: > 0 also requires t - s < sliding_window (each query sees itself and the window-1 keys
       before it, as transformers' sliding-window mask).
     order: (T,) the original index of each token when the sequence is reordered (context_parallel), else None.
   Returns:
     (B, 1, 1, T, S) boolean mask, broadcastable over (kv_heads, group).
   """
+  blocks = None
+  if isinstance(segment_ids, ImageSegments):
+    segment_ids, blocks = segment_ids.ids, segment_ids.blocks
   length = segment_ids.shape[1]
   t = jnp.arange(length) if order is None else jnp.asarray(order)
   allowed = t[None, :] <= t[:, None]  # (T, S) causal
+  if blocks is not None:
+    allowed = allowed | ((blocks[:, :, None] == blocks[:, None, :]) & (blocks[:, :, None] >= 0))  # (B, T, S)
   if sliding_window > 0:
     allowed &= t[:, None] - t[None, :] < sliding_window
   same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]  # (B, T, S)

@@ -319,25 +319,6 @@ def test_gemma3_config_forms_of_the_hub_and_transformers_5():
     gemma3.config_to_maxtext(shifted, "shifted/config.json")
 
 
-def test_gemma3_multimodal_checkpoint_gives_its_text_model(tmp_path):
-  """Gemma3ForConditionalGeneration (how the Hub ships 4b and up): the text model converts, the vision tower is left
-  out, and the logits of a text-only input match transformers'."""
-  text = dict(HF_TINY, **HF_FAMILIES["gemma3"][1])
-  vision = dict(
-    hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
-  )
-  config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
-  model = transformers.Gemma3ForConditionalGeneration(config)
-  randomize_hf_weights(model, seed=3)
-  model.save_pretrained(tmp_path / "hf")
-  converter.to_maxtext(str(tmp_path / "hf"), str(tmp_path / "maxtext"))
-  tokens = logit_check.random_tokens(HF_TINY["vocab_size"])
-  max_abs, _ = logit_check.compare(
-    logit_check.hf_logits(str(tmp_path / "hf"), tokens), _logits(str(tmp_path / "maxtext"), tokens)
-  )
-  assert max_abs < TOLERANCE
-
-
 def test_deepseek_config_as_the_hub_ships_it():
   """deepseek-ai/DeepSeek-V3's config.json: rope_scaling with "type": "yarn", no head_dim, num_nextn_predict_layers."""
   from MaxText.hf_conversion import deepseek  # pylint: disable=import-outside-toplevel

@@ -164,6 +164,17 @@ HF_FAMILIES = {
   ),
 }
 
+# A tiny SigLIP of Gemma 3 (Gemma3Config's vision_config): 56-pixel images, 16 patches of 14 pixels, no pooling head.
+HF_GEMMA3_VISION = {
+  "hidden_size": 32,
+  "intermediate_size": 64,
+  "num_hidden_layers": 2,
+  "num_attention_heads": 2,
+  "image_size": 56,
+  "patch_size": 14,
+  "vision_use_head": False,
+}
+
 
 def randomize_hf_weights(model, seed: int) -> None:
   """Weights of order 1/sqrt(fan_in) and norms around 1, so that logits are O(1) and every weight matters."""

@@ -1,0 +1,105 @@
+"""Gemma 3 with images against transformers: a tiny random Gemma3ForConditionalGeneration (a 2-layer SigLIP on
+56-pixel images, 16 patches pooled to 4 soft tokens; the 8-layer text model of convert_checkpoint_test with a sliding
+window of 3, shorter than an image's run of soft tokens) converted with to_maxtext gives transformers' logits within
+1e-4 (float32) with one image, two images in a row, and none; to_hf gives back the same bytes, and the exported model
+loads with from_pretrained to the same logits.
+"""
+
+import os
+
+import numpy as np
+import pytest
+import torch  # requirements-test.txt
+import transformers
+
+from MaxText.hf_conversion import converter, logit_check
+from MaxText.tests.convert_checkpoint_test import _safetensors
+from MaxText.tests.tiny_models import HF_FAMILIES, HF_GEMMA3_VISION, HF_TINY, randomize_hf_weights
+
+TOLERANCE = 1e-4  # float32; never loosened to make a test pass
+IMAGE, BOI, EOI = 250, 251, 252  # the tiny vocabulary's image soft token, start and end of image
+SOFT_TOKENS = 4
+LENGTH = 24
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+  """(hf_dir, maxtext_dir, transformers' model, the MaxText model and params) of the tiny model, built once."""
+  root = tmp_path_factory.mktemp("gemma3_vision")
+  text = {**HF_TINY, **HF_FAMILIES["gemma3"][1], "sliding_window": 3}
+  config = transformers.Gemma3Config(
+    text_config=text,
+    vision_config=HF_GEMMA3_VISION,
+    mm_tokens_per_image=SOFT_TOKENS,
+    image_token_index=IMAGE,
+    boi_token_index=BOI,
+    eoi_token_index=EOI,
+  )
+  model = transformers.Gemma3ForConditionalGeneration(config)
+  randomize_hf_weights(model, seed=5)
+  model.save_pretrained(root / "hf")
+  maxtext_dir = converter.to_maxtext(str(root / "hf"), str(root / "maxtext"))
+  _, ours, params = logit_check.converted_model(maxtext_dir, os.path.join(root, "maxtext", converter.PARAMS_DIR), LENGTH)
+  return str(root / "hf"), str(root / "maxtext"), _hf_model(str(root / "hf")), (ours, params)
+
+
+def _row(num_images: int, length: int, seed: int) -> np.ndarray:
+  """Text tokens with num_images runs of <start_of_image>, 4 soft tokens, <end_of_image>, spread over the row."""
+  rng = np.random.default_rng(seed)
+  row = rng.integers(0, 240, length)
+  for k in range(num_images):
+    start = 3 + k * (length // max(num_images, 1))
+    row[start : start + SOFT_TOKENS + 2] = [BOI, *[IMAGE] * SOFT_TOKENS, EOI]
+  return row
+
+
+def _case(name: str):
+  """(tokens (B, T), images (B, N, 3, 56, 56) or None) of a case."""
+  rng = np.random.default_rng(len(name))
+  images_per_row = {"one_image": 1, "two_images": 2, "no_image": 0}[name]
+  tokens = np.stack([_row(images_per_row, LENGTH, seed) for seed in range(2)]).astype(np.int32)
+  if not images_per_row:
+    return tokens, None
+  return tokens, rng.normal(size=(2, images_per_row, 3, 56, 56)).astype(np.float32)
+
+
+def _hf_model(hf_dir: str):
+  return transformers.Gemma3ForConditionalGeneration.from_pretrained(
+    hf_dir, dtype=torch.float32, attn_implementation="eager"
+  )
+
+
+def _hf_logits(model, tokens, images) -> np.ndarray:
+  ids = torch.from_numpy(tokens).long()
+  pixels = None if images is None else torch.from_numpy(images.reshape(-1, *images.shape[2:]))
+  with torch.no_grad():
+    return model(input_ids=ids, pixel_values=pixels, token_type_ids=(ids == IMAGE).long()).logits.numpy()
+
+
+def _our_logits(model_and_params, tokens, images) -> np.ndarray:
+  import jax  # pylint: disable=import-outside-toplevel
+
+  model, params = model_and_params
+  positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
+  with jax.default_matmul_precision("float32"):
+    return np.asarray(model.apply({"params": params}, tokens, positions, images=images))
+
+
+@pytest.mark.parametrize("case", ["one_image", "two_images", "no_image"])
+def test_logits_match_transformers(converted, case):
+  _, _, reference, ours = converted
+  tokens, images = _case(case)
+  max_abs, kl = logit_check.compare(_hf_logits(reference, tokens, images), _our_logits(ours, tokens, images))
+  print(f"\n{case}: max |logits diff| {max_abs:.3g}, KL {kl:.3g}")
+  assert max_abs < TOLERANCE, f"{case}: max |logits diff| {max_abs:.3g} (KL {kl:.3g})"
+
+
+def test_round_trip_is_bitwise_and_reloads(converted, tmp_path):
+  hf_dir, maxtext_dir, reference, _ = converted
+  hf_out = converter.to_hf(maxtext_dir, str(tmp_path / "hf_out"))
+  original, back = _safetensors(hf_dir), _safetensors(hf_out)
+  assert sorted(original) == sorted(back)
+  for name, tensor in original.items():
+    assert tensor.dtype == back[name].dtype and torch.equal(tensor, back[name]), name
+  tokens, images = _case("two_images")
+  np.testing.assert_array_equal(_hf_logits(_hf_model(hf_out), tokens, images), _hf_logits(reference, tokens, images))
