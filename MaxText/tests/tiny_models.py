@@ -2,6 +2,8 @@
 (nothing is downloaded), and in-process computations on them (decoding, a quantized GEMM, train steps, LoRA logits).
 (The tiny model's config, subprocess runs and the tiny data: helpers.py.)"""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -190,6 +192,18 @@ def randomize_hf_weights(model, seed: int) -> None:
     for name, b in sorted(model.named_buffers()):
       if name.endswith("e_score_correction_bias"):  # DeepSeek's routing bias: a buffer, zeros unless set
         b.copy_(0.2 * torch.randn(b.shape, generator=gen))
+
+
+def hf_tensors(hf_dir: str) -> dict:
+  """{name: torch tensor} of every safetensors file of a Hugging Face directory."""
+  from safetensors import safe_open  # pylint: disable=import-outside-toplevel
+
+  out = {}
+  for name in sorted(os.listdir(hf_dir)):
+    if name.endswith(".safetensors"):
+      with safe_open(os.path.join(hf_dir, name), framework="pt") as f:
+        out.update({k: f.get_tensor(k) for k in f.keys()})
+  return out
 
 
 def build_hf_model(directory: str, family: str, dtype=None, **save_kwargs) -> str:

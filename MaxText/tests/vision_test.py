@@ -13,8 +13,7 @@ import torch  # requirements-test.txt
 import transformers
 
 from MaxText.hf_conversion import converter, logit_check
-from MaxText.tests.convert_checkpoint_test import _safetensors
-from MaxText.tests.tiny_models import HF_FAMILIES, HF_GEMMA3_VISION, HF_TINY, randomize_hf_weights
+from MaxText.tests.tiny_models import HF_FAMILIES, HF_GEMMA3_VISION, HF_TINY, hf_tensors, randomize_hf_weights
 
 TOLERANCE = 1e-4  # float32; never loosened to make a test pass
 IMAGE, BOI, EOI = 250, 251, 252  # the tiny vocabulary's image soft token, start and end of image
@@ -97,7 +96,7 @@ def test_logits_match_transformers(converted, case):
 def test_round_trip_is_bitwise_and_reloads(converted, tmp_path):
   hf_dir, maxtext_dir, reference, _ = converted
   hf_out = converter.to_hf(maxtext_dir, str(tmp_path / "hf_out"))
-  original, back = _safetensors(hf_dir), _safetensors(hf_out)
+  original, back = hf_tensors(hf_dir), hf_tensors(hf_out)
   assert sorted(original) == sorted(back)
   for name, tensor in original.items():
     assert tensor.dtype == back[name].dtype and torch.equal(tensor, back[name]), name
