@@ -309,6 +309,20 @@ def dense_outputs(*args):
 # ---- train steps in this process ----------------------------------------------------------------------------------
 
 
+def next_token_batch(tokens: np.ndarray) -> dict:
+  """The train batch of whole rows of `tokens` (B, T): each token's target is the next one (the last wraps)."""
+  positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
+  ones = np.ones(tokens.shape, np.int32)
+  return dict(
+    inputs=tokens,
+    targets=np.roll(tokens, -1, axis=1),
+    inputs_position=positions,
+    targets_position=positions,
+    inputs_segmentation=ones,
+    targets_segmentation=ones,
+  )
+
+
 def train_on_one_batch(*args, steps: int):
   """Losses of `steps` train steps of the tiny model (tiny_config(*args)) on one repeated batch, and the final state."""
   config = tiny_config("learning_rate=1e-2", "warmup_steps_fraction=0", *args)
@@ -318,17 +332,7 @@ def train_on_one_batch(*args, steps: int):
   step = aot_compile.compile_train_step(setup, config, device_mesh)
   shape = (config.global_batch_size_to_load, config.max_target_length)
   tokens = np.random.default_rng(0).integers(1, 64, shape).astype(np.int32)
-  positions = np.broadcast_to(np.arange(shape[1], dtype=np.int32), shape)
-  ones = np.ones(shape, np.int32)
-  batch = dict(
-    inputs=tokens,
-    targets=np.roll(tokens, -1, axis=1),
-    inputs_position=positions,
-    targets_position=positions,
-    inputs_segmentation=ones,
-    targets_segmentation=ones,
-  )
-  batch = jax.device_put(batch, sharding.data_sharding(config, device_mesh))
+  batch = jax.device_put(next_token_batch(tokens), sharding.data_sharding(config, device_mesh))
   losses = []
   with sharding.logical_context(device_mesh, config):
     for _ in range(steps):

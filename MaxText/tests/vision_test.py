@@ -2,9 +2,11 @@
 56-pixel images, 16 patches pooled to 4 soft tokens; the 8-layer text model of convert_checkpoint_test with a sliding
 window of 3, shorter than an image's run of soft tokens) converted with to_maxtext gives transformers' logits within
 1e-4 (float32) with one image, two images in a row, and none; to_hf gives back the same bytes, and the exported model
-loads with from_pretrained to the same logits.
+loads with from_pretrained to the same logits. Slow: the encoder and train steps on fsdp 4 x tensor 2 give one
+device's soft tokens and losses (vision_layouts.py), with the frozen encoder out of the optimizer.
 """
 
+import json
 import os
 
 import numpy as np
@@ -13,6 +15,7 @@ import torch  # requirements-test.txt
 import transformers
 
 from MaxText.hf_conversion import converter, logit_check
+from MaxText.tests.helpers import run_python
 from MaxText.tests.tiny_models import HF_FAMILIES, HF_GEMMA3_VISION, HF_TINY, hf_tensors, randomize_hf_weights
 
 TOLERANCE = 1e-4  # float32; never loosened to make a test pass
@@ -102,3 +105,25 @@ def test_round_trip_is_bitwise_and_reloads(converted, tmp_path):
     assert tensor.dtype == back[name].dtype and torch.equal(tensor, back[name]), name
   tokens, images = _case("two_images")
   np.testing.assert_array_equal(_hf_logits(_hf_model(hf_out), tokens, images), _hf_logits(reference, tokens, images))
+
+
+@pytest.mark.slow
+def test_fsdp_and_tensor_parallel_give_one_device(tmp_path):
+  """The encoder's soft tokens and 3 train steps' losses on fsdp 4 x tensor 2 equal one device's (relative 1e-5);
+  the frozen encoder is in no optimizer state and does not move, the projector does; the encoder is sharded (about
+  15 s with a warm compilation cache)."""
+  report_path = tmp_path / "report.json"
+  result = run_python(
+    ["-m", "MaxText.tests.vision_layouts", str(report_path)],
+    env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  report = json.loads(report_path.read_text())
+  one, sharded = report["one_device"], report["fsdp4_tensor2"]
+  soft, expected = np.asarray(sharded["soft_tokens"]), np.asarray(one["soft_tokens"])
+  assert np.max(np.abs(soft - expected)) <= 1e-5 * np.max(np.abs(expected))  # relative to the outputs' scale
+  np.testing.assert_allclose(sharded["losses"], one["losses"], rtol=1e-5)
+  for run in (one, sharded):
+    assert run["moved"]["vision_encoder"] == 0.0 and run["moved"]["vision_projector"] > 0
+    assert not run["encoder_in_optimizer"]
+  assert sharded["fc1_kernel_shard"] == [8, 2, 32]  # [embed / fsdp 4, layers, mlp / tensor 2]
