@@ -308,6 +308,10 @@ def _check_multimodal(v):
       f"num_attention_heads_for_vit={v['num_attention_heads_for_vit']} must divide "
       f"hidden_size_for_vit={v['hidden_size_for_vit']}"
     )
+  if not 0 <= v["image_token_id"] < v["vocab_size"]:
+    raise ConfigError(
+      f"image_token_id={v['image_token_id']} must be a token of the vocabulary (vocab_size={v['vocab_size']})"
+    )
   for key in ("ici_pipeline_parallelism", "dcn_pipeline_parallelism"):
     if v.get(key, 1) != 1:
       raise ConfigError(f"use_multimodal=true does not run pipelined yet ({key}={v[key]}); shard over fsdp or tensor")

@@ -10,16 +10,10 @@ import jax.numpy as jnp
 import optax
 
 from MaxText import feature_protocol
+from MaxText.input_pipeline import images
 from MaxText.layers import layer_names
 
 ENCODER = "vision_encoder"  # the encoder's params: params/vision_encoder/...
-
-
-def images_shape(config) -> tuple:
-  """The batch's images: (global batch, max_num_images_per_example, channels, image size, image size)."""
-  size = config.image_size_for_vit
-  num = max(config.max_num_images_per_example, 1)
-  return (config.global_batch_size_to_load, num, config.num_channels_for_vit, size, size)
 
 
 def _split(tree):
@@ -51,4 +45,4 @@ class Multimodal(feature_protocol.Feature):
     return without_encoder(tx) if self.config.freeze_vision_encoder_params else tx
 
   def batch_shapes(self, shapes: dict) -> dict:
-    return {**shapes, "images": (images_shape(self.config), jnp.float32)}
+    return {**shapes, "images": (images.batch_shape(self.config), jnp.float32)}

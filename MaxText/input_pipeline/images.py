@@ -79,6 +79,18 @@ def pixel_values(image, size: int, where: str) -> np.ndarray:
   return x.transpose(2, 0, 1)  # (C, H, W)
 
 
+def batch_shape(config) -> tuple:
+  """A batch's images: (global batch, max_num_images_per_example, channels, image size, image size)."""
+  size = config.image_size_for_vit
+  return (
+    config.global_batch_size_to_load,
+    max(config.max_num_images_per_example, 1),
+    config.num_channels_for_vit,
+    size,
+    size,
+  )
+
+
 def record_images(text: str, images, config, where: str, base_dir: str = "") -> tuple[str, np.ndarray]:
   """A record's text with its placeholders expanded, and its images' pixels (max_num_images_per_example, 3, H, W)
   (zeros after the last image).
