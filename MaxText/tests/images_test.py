@@ -72,6 +72,7 @@ def config():
     "patch_size_for_vit=14",
     f"mm_tokens_per_image={SOFT_TOKENS}",
     "max_num_images_per_example=3",
+    "image_token_id=4000",
   )
 
 
