@@ -214,6 +214,11 @@ _HF_FILE_BUILDERS = ("json", "parquet", "csv", "text", "arrow")
 
 
 def _check_data(v):
+  if v["use_multimodal"] and v["dataset_type"] != "synthetic" and not (v["use_sft"] and not v["packing"]):
+    raise ConfigError(
+      f"use_multimodal=true reads image-text chat records: set use_sft=true and packing=false (one sample and its "
+      f"images per row), with dataset_type={v['dataset_type']}"
+    )
   kind = v["dataset_type"]
   defaults = config_loader.base_defaults()
   if v["train_data_column"] != defaults["train_data_column"] and v["train_data_columns"] != defaults["train_data_columns"]:

@@ -91,18 +91,18 @@ def batch_shape(config) -> tuple:
   )
 
 
-def record_images(text: str, images, config, where: str, base_dir: str = "") -> tuple[str, np.ndarray]:
-  """A record's text with its placeholders expanded, and its images' pixels (max_num_images_per_example, 3, H, W)
-  (zeros after the last image).
+def record_pixels(images, placeholders: int, config, where: str, base_dir: str = "") -> np.ndarray:
+  """A record's images' pixels (max_num_images_per_example, C, H, W), zeros after the last image.
 
   Args:
-    text: the record's text, with config.image_placeholder where each image goes, in order.
     images: the record's images (None or a single one: as a list of one), as open_image reads them.
-    config: the run's Config (image_placeholder, mm_tokens_per_image, image_size_for_vit, max_num_images_per_example).
+    placeholders: the image placeholders in its text, one per image.
+    config: the run's Config (image_placeholder, image_size_for_vit, num_channels_for_vit, max_num_images_per_example).
     where: the record, for messages.
+    base_dir: where relative image paths start.
   """
-  images = [] if images is None else images if isinstance(images, (list, tuple)) else [images]
-  placeholders, capacity = text.count(config.image_placeholder), max(config.max_num_images_per_example, 1)
+  images = [] if images is None else list(images) if isinstance(images, (list, tuple, np.ndarray)) else [images]
+  capacity = max(config.max_num_images_per_example, 1)
   if len(images) != placeholders:
     raise UserError(
       f"{where}: {len(images)} images but {placeholders} {config.image_placeholder} placeholders in its text (one each)"
@@ -113,4 +113,10 @@ def record_images(text: str, images, config, where: str, base_dir: str = "") -> 
   pixels = np.zeros((capacity, config.num_channels_for_vit, size, size), np.float32)
   for i, value in enumerate(images):
     pixels[i] = pixel_values(open_image(value, where, base_dir), size, where)
+  return pixels
+
+
+def record_images(text: str, images, config, where: str, base_dir: str = "") -> tuple[str, np.ndarray]:
+  """A record's text with its placeholders expanded (image_sequence), and record_pixels of its images."""
+  pixels = record_pixels(images, text.count(config.image_placeholder), config, where, base_dir)
   return expand_placeholders(text, config.image_placeholder, config.mm_tokens_per_image), pixels

@@ -73,6 +73,7 @@ def config():
     f"mm_tokens_per_image={SOFT_TOKENS}",
     "max_num_images_per_example=3",
     "image_token_id=4000",
+    "dataset_type=synthetic",
   )
 
 

@@ -41,6 +41,7 @@ ARGS = [
   "learning_rate=1e-2",
   "warmup_steps_fraction=0",
   "attention=dot_product",
+  "dataset_type=synthetic",
 ]
 LAYOUTS = {
   "one_device": (1, [f"per_device_batch_size={ROWS}"]),

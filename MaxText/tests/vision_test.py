@@ -15,6 +15,7 @@ import torch  # requirements-test.txt
 import transformers
 
 from MaxText.hf_conversion import converter, logit_check
+from MaxText.input_pipeline import images
 from MaxText.tests.helpers import run_python
 from MaxText.tests.tiny_models import HF_FAMILIES, HF_GEMMA3_VISION, HF_TINY, hf_tensors, randomize_hf_weights
 
@@ -127,3 +128,86 @@ def test_fsdp_and_tensor_parallel_give_one_device(tmp_path):
     assert run["moved"]["vision_encoder"] == 0.0 and run["moved"]["vision_projector"] > 0
     assert not run["encoder_in_optimizer"]
   assert sharded["fc1_kernel_shard"] == [8, 2, 32]  # [embed / fsdp 4, layers, mlp / tensor 2]
+
+
+def _word_tokenizer(path, words) -> str:
+  """A whitespace word tokenizer.json whose image tokens have the tiny model's ids (IMAGE, BOI, EOI)."""
+  from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers  # pylint: disable=import-outside-toplevel
+
+  vocab = {"<unk>": 0, **{w: i + 1 for i, w in enumerate(sorted(set(words)))}}
+  vocab.update({images.IMAGE_TOKEN: IMAGE, images.BOI: BOI, images.EOI: EOI})
+  tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+  tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  tokenizer.add_special_tokens([AddedToken(t, special=True) for t in (images.IMAGE_TOKEN, images.BOI, images.EOI)])
+  tokenizer.save(str(path))
+  return str(path)
+
+
+@pytest.mark.slow
+def test_image_sft_step0_loss_is_transformers_masked_cross_entropy(converted, tmp_path, capsys):
+  """Image-text SFT from a JSON-lines file with relative image paths (packing=false, completion only): the first
+  batch's loss equals transformers' cross-entropy over the completions (relative 1e-4); a sample whose image tokens
+  max_target_length would cut is dropped and counted."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from PIL import Image  # pylint: disable=import-outside-toplevel
+
+  from MaxText.features import selection  # pylint: disable=import-outside-toplevel
+  from MaxText.input_pipeline import input_pipeline_interface  # pylint: disable=import-outside-toplevel
+  from MaxText.runtime import mesh  # pylint: disable=import-outside-toplevel
+  from MaxText.training import train_step  # pylint: disable=import-outside-toplevel
+
+  _, maxtext_dir, reference, (model, params) = converted
+  rng = np.random.default_rng(3)
+  for i, size in enumerate([(40, 30), (70, 90), (56, 56)]):
+    Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)).save(tmp_path / f"img{i}.png")
+  records = [
+    {"prompt": "what is in <|image|> ?", "completion": "a red cat on a mat", "images": ["img0.png"]},
+    {
+      "prompt": "compare <|image|> and <|image|> please",
+      "completion": "the first is brighter",
+      "images": ["img1.png", "img2.png"],
+    },
+    {"prompt": " ".join(["word"] * 20) + " <|image|>", "completion": "cut", "images": ["img2.png"]},  # cut: dropped
+    {"prompt": "say hello", "completion": "hello there", "images": []},
+  ]
+  (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+  words = " ".join(r["prompt"] + " " + r["completion"] for r in records).split()
+  config = converter.maxtext_config(
+    os.path.join(maxtext_dir, converter.MODEL_YML),
+    dtype="float32",
+    weight_dtype="float32",
+    max_target_length=24,
+    per_device_batch_size=3,
+    dataset_type="hf",
+    hf_path="json",
+    hf_train_files=str(tmp_path / "data.jsonl"),
+    tokenizer_path=_word_tokenizer(tmp_path / "tokenizer.json", words),
+    use_sft=True,
+    train_data_columns=["prompt", "completion"],
+    sft_train_on_completion_only=True,
+    packing=False,
+    add_bos=False,
+    add_eos=False,
+    enable_data_shuffling=False,
+    max_num_images_per_example=2,
+  )
+  iterator = input_pipeline_interface.create_data_iterator(config, mesh.create_device_mesh(config))
+  batch = jax.tree.map(np.array, next(iterator))  # writable copies (torch reads them)
+  iterator.close()
+  assert batch["images"].shape == (3, 2, 3, 56, 56)
+  assert "1 samples dropped whose image tokens max_target_length=24 would cut" in capsys.readouterr().out
+  with jax.default_matmul_precision("float32"):
+    loss, aux = train_step.loss_fn(model, config, selection.for_config(config), params, batch, jax.random.PRNGKey(0), True)
+  total, count = 0.0, 0
+  for row in range(3):  # transformers on each row's tokens alone, labels -100 outside the completion
+    real = int(np.sum(batch["inputs_segmentation"][row] != 0))
+    ids = batch["inputs"][row, :real][None]
+    used = int(np.sum(ids == IMAGE)) // SOFT_TOKENS
+    logits = _hf_logits(reference, ids, batch["images"][row : row + 1, :used] if used else None)[0].astype(np.float64)
+    targets, weights = batch["targets"][row, :real], batch["targets_segmentation"][row, :real] != 0
+    log_probs = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+    total -= np.sum(log_probs[np.arange(real), targets][weights])
+    count += int(np.sum(weights))
+  assert float(aux.weights) == count > 0
+  print(f"\nimage SFT step-0 loss {float(loss / aux.weights):.7f}, transformers {total / count:.7f}, {count} tokens")
+  assert float(loss / aux.weights) == pytest.approx(total / count, rel=1e-4)
