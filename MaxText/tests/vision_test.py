@@ -143,11 +143,29 @@ def _word_tokenizer(path, words) -> str:
   return str(path)
 
 
+def _write_records(records, directory, kind: str) -> str:
+  """The records as JSON lines (images: paths relative to the file) or as Parquet (a datasets Image column: PIL
+  images when read); returns the file."""
+  import datasets  # pylint: disable=import-outside-toplevel
+  from PIL import Image  # pylint: disable=import-outside-toplevel
+
+  if kind == "json":
+    (directory / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(directory / "data.jsonl")
+  opened = [dict(r, images=[Image.open(directory / name) for name in r["images"]]) for r in records]
+  features = datasets.Features(
+    {"prompt": datasets.Value("string"), "completion": datasets.Value("string"), "images": [datasets.Image()]}
+  )
+  datasets.Dataset.from_list(opened, features=features).to_parquet(str(directory / "data.parquet"))
+  return str(directory / "data.parquet")
+
+
 @pytest.mark.slow
-def test_image_sft_step0_loss_is_transformers_masked_cross_entropy(converted, tmp_path, capsys):
-  """Image-text SFT from a JSON-lines file with relative image paths (packing=false, completion only): the first
-  batch's loss equals transformers' cross-entropy over the completions (relative 1e-4); a sample whose image tokens
-  max_target_length would cut is dropped and counted."""
+@pytest.mark.parametrize("kind", ["json", "parquet"])
+def test_image_sft_step0_loss_is_transformers_masked_cross_entropy(converted, tmp_path, capsys, kind):
+  """Image-text SFT from JSON lines with relative image paths, or Parquet with an Image column (packing=false,
+  completion only): the first batch's loss equals transformers' cross-entropy over the completions (relative 1e-4);
+  a sample whose image tokens max_target_length would cut is dropped and counted."""
   import jax  # pylint: disable=import-outside-toplevel
   from PIL import Image  # pylint: disable=import-outside-toplevel
 
@@ -170,7 +188,6 @@ def test_image_sft_step0_loss_is_transformers_masked_cross_entropy(converted, tm
     {"prompt": " ".join(["word"] * 20) + " <|image|>", "completion": "cut", "images": ["img2.png"]},  # cut: dropped
     {"prompt": "say hello", "completion": "hello there", "images": []},
   ]
-  (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
   words = " ".join(r["prompt"] + " " + r["completion"] for r in records).split()
   config = converter.maxtext_config(
     os.path.join(maxtext_dir, converter.MODEL_YML),
@@ -179,8 +196,8 @@ def test_image_sft_step0_loss_is_transformers_masked_cross_entropy(converted, tm
     max_target_length=24,
     per_device_batch_size=3,
     dataset_type="hf",
-    hf_path="json",
-    hf_train_files=str(tmp_path / "data.jsonl"),
+    hf_path=kind,
+    hf_train_files=_write_records(records, tmp_path, kind),
     tokenizer_path=_word_tokenizer(tmp_path / "tokenizer.json", words),
     use_sft=True,
     train_data_columns=["prompt", "completion"],
