@@ -14,7 +14,6 @@ import os
 import numpy as np
 
 from MaxText import max_logging
-from MaxText.errors import UserError
 from MaxText.input_pipeline import images
 from MaxText.input_pipeline.sft import SftDecoder, as_dict, record_text
 from MaxText.input_pipeline.tokenizer import build_tokenizer
@@ -37,12 +36,7 @@ class ImageSftDecoder(SftDecoder):
     self.config, self.base_dir = config, data_dir(config, train)
     self.counts["images_cut"] = 0
     self._pixels = None
-    found = build_tokenizer(config.tokenizer_path, False, False).token_id(images.IMAGE_TOKEN)
-    if found != config.image_token_id:
-      raise UserError(
-        f"tokenizer_path={config.tokenizer_path} has {images.IMAGE_TOKEN} as id {found}, but image_token_id="
-        f"{config.image_token_id}: set image_token_id to the tokenizer's"
-      )
+    images.check_image_token(build_tokenizer(config.tokenizer_path, False, False), config)
 
   def _expanded(self, value):
     """A column's text (or each message's content) with its placeholders expanded; how many it held."""

@@ -79,6 +79,16 @@ def pixel_values(image, size: int, where: str) -> np.ndarray:
   return x.transpose(2, 0, 1)  # (C, H, W)
 
 
+def check_image_token(tokenizer, config) -> None:
+  """A UserError unless the tokenizer's <image_soft_token> is config.image_token_id (what the model replaces)."""
+  found = tokenizer.token_id(IMAGE_TOKEN)
+  if found != config.image_token_id:
+    raise UserError(
+      f"tokenizer_path={config.tokenizer_path} has {IMAGE_TOKEN} as id {found}, but image_token_id="
+      f"{config.image_token_id}: set image_token_id to the tokenizer's"
+    )
+
+
 def batch_shape(config) -> tuple:
   """A batch's images: (global batch, max_num_images_per_example, channels, image size, image size)."""
   size = config.image_size_for_vit

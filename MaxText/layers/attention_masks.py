@@ -58,13 +58,15 @@ def soft_cap(x, cap: float):
   return jnp.tanh(x / cap) * cap
 
 
-def cache_mask(positions, cache_length: int, sliding_window: int = 0):
+def cache_mask(positions, cache_length: int, sliding_window: int = 0, segment_ids=None):
   """Which cache slots each query sees while decoding, where slot s holds the key of position s.
 
   Args:
     positions: (B, T) positions of the queries (their keys are already written at those slots).
     cache_length: S, the slots in the cache.
     sliding_window: > 0 also requires t - s < sliding_window, as attention_mask.
+    segment_ids: ImageSegments of a prefill with images: also both ways within an image's tokens (within the
+      window), as attention_mask; anything else: causal only.
   Returns:
     (B, 1, 1, T, S) boolean mask. Slots after a query's position (not yet written, or the padding of a
     prompt) are masked by causality.
@@ -72,6 +74,11 @@ def cache_mask(positions, cache_length: int, sliding_window: int = 0):
   t = positions[:, :, None]  # (B, T, 1)
   s = jnp.arange(cache_length)[None, None, :]  # (1, 1, S)
   allowed = s <= t
+  if isinstance(segment_ids, ImageSegments):  # the keys' image runs at their slots, -1 elsewhere
+    empty = jnp.full((cache_length,), -1, segment_ids.blocks.dtype)
+    slots = jax.vmap(lambda b, start: jax.lax.dynamic_update_slice(empty, b, (start,)))(segment_ids.blocks, positions[:, 0])
+    queries = segment_ids.blocks[:, :, None]
+    allowed = allowed | ((queries == slots[:, None, :]) & (queries >= 0))
   if sliding_window > 0:
     allowed &= t - s < sliding_window
   return allowed[:, None, None, :, :]

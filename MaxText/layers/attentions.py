@@ -237,7 +237,7 @@ class Attention(nn.Module):
     )
     if self.is_mutable_collection("cache") and not self.is_initializing():
       key, value = self._update_cache(key, value, positions)  # (B, S, Nkv, D): every slot
-      mask = choose(is_local, lambda local: cache_mask(positions, self.cache_length, self._window(local)))
+      mask = choose(is_local, lambda local: cache_mask(positions, self.cache_length, self._window(local), segment_ids))
       out = masked_attention(query, key, value, mask, logits_soft_cap=self.logits_soft_cap)
     else:
       out = choose(is_local, functools.partial(self._attend, query, key, value, segment_ids))

@@ -228,3 +228,29 @@ def test_image_sft_step0_loss_is_transformers_masked_cross_entropy(converted, tm
   assert float(aux.weights) == count > 0
   print(f"\nimage SFT step-0 loss {float(loss / aux.weights):.7f}, transformers {total / count:.7f}, {count} tokens")
   assert float(loss / aux.weights) == pytest.approx(total / count, rel=1e-4)
+
+
+@pytest.mark.slow
+def test_decoding_with_an_image_gives_transformers_logits(converted):
+  """Greedy decoding from a prompt with an image (the prefill's image attention both ways, through the KV cache):
+  each sampled token's logits equal transformers' forward pass over the prompt and the tokens sampled."""
+  from MaxText.inference import decoding  # pylint: disable=import-outside-toplevel
+  from MaxText.runtime import mesh  # pylint: disable=import-outside-toplevel
+
+  hf_dir, maxtext_dir, reference, _ = converted
+  del hf_dir
+  config, model, params = logit_check.converted_model(
+    os.path.join(maxtext_dir, converter.MODEL_YML),
+    os.path.join(maxtext_dir, converter.PARAMS_DIR),
+    24,
+    max_prefill_predict_length=16,
+    per_device_batch_size=1,
+    decode_sampling_strategy="greedy",
+  )
+  prompt = [5, 6, BOI, *[IMAGE] * SOFT_TOKENS, EOI, 7, 8]
+  pixels = np.random.default_rng(7).normal(size=(1, 3, 56, 56)).astype(np.float32)
+  result = decoding.generate(config, model, params, mesh.create_device_mesh(config), prompt, keep_logits=True, images=pixels)
+  sequence = np.asarray([prompt + result.tokens[0].tolist()], np.int32)
+  expected = _hf_logits(reference, sequence, pixels[None])[0, len(prompt) - 1 : -1]
+  max_abs, _ = logit_check.compare(expected, result.logits[0])
+  assert result.tokens.shape[1] == 8 and max_abs < TOLERANCE, max_abs
