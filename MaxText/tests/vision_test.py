@@ -108,6 +108,23 @@ def test_round_trip_is_bitwise_and_reloads(converted, tmp_path):
   np.testing.assert_array_equal(_hf_logits(_hf_model(hf_out), tokens, images), _hf_logits(reference, tokens, images))
 
 
+def test_lora_adapts_the_text_model_only(converted):
+  """A module path that would match the encoder's projections too (q_proj, fc1) adapts the text model alone: the
+  encoder's dense layers multiply plainly."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  from MaxText.training import training_setup  # pylint: disable=import-outside-toplevel
+
+  config = converter.maxtext_config(
+    os.path.join(converted[1], converter.MODEL_YML), enable_lora=True, lora_module_path="(query|q_proj|fc1|wi_0)"
+  )
+  model, tokens = training_setup.create_model(config), np.zeros((1, LENGTH), np.int32)
+  shapes = jax.eval_shape(lambda: model.init({"params": jax.random.PRNGKey(0)}, tokens, tokens))["params"]
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(shapes)]
+  adapted = {p.split("'")[1] for p in paths if "lora_a" in p}
+  assert adapted == {"decoder"}, adapted
+
+
 @pytest.mark.slow
 def test_fsdp_and_tensor_parallel_give_one_device(tmp_path):
   """The encoder's soft tokens and 3 train steps' losses on fsdp 4 x tensor 2 equal one device's (relative 1e-5);
