@@ -97,6 +97,21 @@ def test_logits_match_transformers(converted, case):
   assert max_abs < TOLERANCE, f"{case}: max |logits diff| {max_abs:.3g} (KL {kl:.3g})"
 
 
+@pytest.mark.slow
+def test_per_layer_run_loads_the_scanned_conversion(converted):
+  """scan_layers=false (vision_encoder/layers_<i>, decoder/layers_<i>) loads the scanned params and gives the same
+  logits."""
+  hf_dir, maxtext_dir, reference, _ = converted
+  del hf_dir
+  tokens, images = _case("two_images")
+  unrolled = logit_check.converted_model(
+    os.path.join(maxtext_dir, converter.MODEL_YML), os.path.join(maxtext_dir, converter.PARAMS_DIR), LENGTH, False
+  )[1:]
+  assert "layers_1" in unrolled[1]["vision_encoder"]
+  max_abs, _ = logit_check.compare(_hf_logits(reference, tokens, images), _our_logits(unrolled, tokens, images))
+  assert max_abs < TOLERANCE
+
+
 def test_round_trip_is_bitwise_and_reloads(converted, tmp_path):
   hf_dir, maxtext_dir, reference, _ = converted
   hf_out = converter.to_hf(maxtext_dir, str(tmp_path / "hf_out"))
