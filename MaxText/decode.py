@@ -8,6 +8,9 @@ run_name under base_output_directory (random, with a warning, if there is none).
 the model's KV cache, then max_target_length - max_prefill_predict_length tokens are sampled for each of the
 per_device_batch_size x devices rows, which stop at the tokenizer's end token. Prints one line per row,
 Input `<prompt>` -> `<completion>`, then the prefill time, the time per generated token and the tokens/s.
+
+With use_multimodal (Gemma 3), image_path's images (','-separated files) take the places of the prompt's
+image_placeholder (<|image|>), one each, in order.
 """
 
 import os
@@ -19,7 +22,7 @@ if __package__ in (None, ""):  # Run as `python3 MaxText/decode.py`: import MaxT
 from MaxText import pyconfig  # pylint: disable=wrong-import-position
 from MaxText.configuration import config_loader
 from MaxText.errors import UserError  # pylint: disable=wrong-import-position
-from MaxText.input_pipeline import tokenizer_assets
+from MaxText.input_pipeline import images, tokenizer_assets
 from MaxText.runtime.entry_point import run_and_exit_on_user_error  # pylint: disable=wrong-import-position
 
 
@@ -49,17 +52,29 @@ def _tokenizer(config):
   return tokenizer
 
 
-def _prompt_ids(config, tokenizer) -> tuple[list[int], list[int]]:
+def _prompt_and_images(config, tokenizer):
+  """The prompt with image_path's images in place of its placeholders (their soft tokens), and the images' pixels
+  (N, C, H, W); the prompt as it is and None without use_multimodal or image_path."""
+  if not (config.use_multimodal and config.image_path):
+    return config.prompt, None
+  images.check_image_token(tokenizer, config)
+  paths = [p.strip() for p in config.image_path.split(",") if p.strip()]
+  prompt, pixels = images.record_images(config.prompt, paths, config, f"image_path={config.image_path}")
+  return prompt, pixels[: len(paths)]
+
+
+def _prompt_ids(config, tokenizer, prompt: str | None = None) -> tuple[list[int], list[int]]:
   """The prompt's tokens, and the end tokens besides the tokenizer's. With use_chat_template the prompt is a user
   turn and the generation prompt (the template adds BOS), and the completion also ends at the template's end of turn
-  (<|im_end|> is no EOS in a ChatML tokenizer)."""
+  (<|im_end|> is no EOS in a ChatML tokenizer). prompt: default config.prompt."""
+  prompt = config.prompt if prompt is None else prompt
   if not config.use_chat_template:
-    return tokenizer.encode(config.prompt), []
+    return tokenizer.encode(prompt), []
   from MaxText.input_pipeline.chat_template import ChatRenderer  # pylint: disable=import-outside-toplevel
 
   path = pyconfig.resolve_asset_path(config.tokenizer_path, config.config_path) or config.tokenizer_path
   renderer = ChatRenderer(path, config.chat_template)
-  return renderer.encode_prompt(config.prompt), renderer.end_of_turn_ids()
+  return renderer.encode_prompt(prompt), renderer.end_of_turn_ids()
 
 
 def main(argv: list[str]) -> list[str]:
@@ -67,7 +82,8 @@ def main(argv: list[str]) -> list[str]:
   config = pyconfig.initialize(argv, reads_data=False)
   _check_config(config)
   tokenizer = _tokenizer(config)
-  prompt_ids, end_of_turn = _prompt_ids(config, tokenizer)
+  prompt, pixels = _prompt_and_images(config, tokenizer)
+  prompt_ids, end_of_turn = _prompt_ids(config, tokenizer, prompt)
   # pylint: disable=import-outside-toplevel
   from MaxText import max_logging
   from MaxText.generation import prefill_decode
@@ -86,7 +102,9 @@ def main(argv: list[str]) -> list[str]:
 
     serving_checkpoint.save(config, params, config.save_quantized_params_path)
   end_ids = tuple(sorted({*prefill_decode.end_token_ids(tokenizer), *end_of_turn}))
-  result = decoding.generate(config, model, params, mesh, prompt_ids, end_ids, valid_vocab=tokenizer.vocab_size)
+  result = decoding.generate(
+    config, model, params, mesh, prompt_ids, end_ids, valid_vocab=tokenizer.vocab_size, images=pixels
+  )
   completions = [tokenizer.decode(prefill_decode.completion(row, end_ids)) for row in result.tokens]
   for text in completions:
     max_logging.log(f"Input `{config.prompt}` -> `{text}`")  # process 0 (every process computed them)

@@ -1,5 +1,6 @@
 """Params checkpoints in either layer layout: scanned (`decoder/layers`, stacked on param_scan_axis) or per-layer
-(`decoder/layers_<i>`); likewise for each stack of a family with several (DeepSeek's dense_layers and moe_layers).
+(`decoder/layers_<i>`); likewise for each stack of a family with several (DeepSeek's dense_layers and moe_layers),
+and for a multimodal model's vision encoder (`vision_encoder/layers`), which scan_layers lays out as the decoder.
 A checkpoint is restored in its own layout, then stacked or unstacked on the devices into the layout of the run
 (scan_layers), so load_parameters_path takes either whatever the run uses.
 """
@@ -13,6 +14,7 @@ from MaxText.checkpoints import layer_stacking
 from MaxText.configuration.common_types import STACK_NAMES
 
 _PER_LAYER = re.compile(rf"({'|'.join(STACK_NAMES)})_(\d+)")
+_STACKED = ("decoder", "vision_encoder")  # the modules whose layers scan_layers stacks
 
 
 def is_scanned(params) -> bool:
@@ -58,11 +60,16 @@ def _with_axis(abstract, axis: int, size: int | None):
   return jax.ShapeDtypeStruct(tuple(shape), abstract.dtype, sharding=sharding)
 
 
-def in_layout(abstract_params: dict, scanned: bool, stacks: dict[str, int], scan_axis: int) -> dict:
-  """The run's abstract params (ShapeDtypeStructs with shardings) in the given layer layout; stacks: name -> blocks."""
+def in_layout(abstract_params: dict, scanned: bool, stacks: dict[str, dict[str, int]], scan_axis: int) -> dict:
+  """The run's abstract params (ShapeDtypeStructs with shardings) in the given layer layout; stacks: module -> stack
+  name -> blocks."""
   if is_scanned(abstract_params) == scanned:
     return abstract_params
-  decoder = dict(abstract_params["decoder"])
+  return dict(abstract_params, **{m: _module_in_layout(abstract_params[m], scanned, stacks[m], scan_axis) for m in stacks})
+
+
+def _module_in_layout(module: dict, scanned: bool, stacks: dict[str, int], scan_axis: int) -> dict:
+  decoder = dict(module)
   for stack, blocks in stacks.items():
     if scanned:  # per-layer run, scanned checkpoint
       first = decoder[f"{stack}_0"]
@@ -72,12 +79,16 @@ def in_layout(abstract_params: dict, scanned: bool, stacks: dict[str, int], scan
       stacked = decoder.pop(stack)
       for i in range(blocks):
         decoder[f"{stack}_{i}"] = jax.tree.map(lambda a: _with_axis(a, scan_axis, None), stacked)
-  return dict(abstract_params, decoder=decoder)
+  return decoder
 
 
-def _stacks(abstract_params: dict, scan_axis: int) -> dict[str, int]:
-  decoder = abstract_params["decoder"]
-  return _scanned_stacks(decoder, scan_axis) if is_scanned(abstract_params) else _unrolled_stacks(decoder)
+def _stacks(abstract_params: dict, scan_axis: int) -> dict[str, dict[str, int]]:
+  """module -> its stacks (name -> blocks), of each module that has layers."""
+  scanned = is_scanned(abstract_params)
+  modules = [m for m in _STACKED if m in abstract_params]
+  return {
+    m: _scanned_stacks(abstract_params[m], scan_axis) if scanned else _unrolled_stacks(abstract_params[m]) for m in modules
+  }
 
 
 def saved_layout(saved_params, abstract_params: dict, scan_axis: int) -> dict:
@@ -94,8 +105,7 @@ def to_run_layout(params: dict, abstract_params: dict, scan_axis: int) -> dict:
   stacks = _stacks(abstract_params, scan_axis)
 
   def relayout(p):
-    if is_scanned(p):
-      return dict(p, decoder=layer_stacking.unstack_all(p["decoder"], stacks, scan_axis))
-    return dict(p, decoder=layer_stacking.stack_all(p["decoder"], stacks, scan_axis))
+    change = layer_stacking.unstack_all if is_scanned(p) else layer_stacking.stack_all
+    return dict(p, **{m: change(p[m], stacks[m], scan_axis) for m in stacks})
 
   return jax.jit(relayout, out_shardings=shardings)(params)

@@ -154,8 +154,13 @@ def select(values, platform: str) -> str:
   config allows it (cuDNN is part of jax's CUDA build; TransformerEngine is an optional extra), else dot_product.
   """
   kernel = values["attention"]
+  if values.get("use_multimodal") and kernel not in ("autoselected", "dot_product"):
+    raise ConfigError(
+      f"use_multimodal=true runs with attention=dot_product (its mask lets an image's tokens see each other both "
+      f"ways), not attention={kernel}"
+    )
   if kernel == "autoselected":
-    if _ring(values):
+    if _ring(values) or values.get("use_multimodal"):
       kernel = "dot_product"  # ring attention is written in plain JAX: its blocks are dot products
     elif platform == "tpu":
       kernel = "flash" if _flash_length(values["max_target_length"]) else "dot_product"

@@ -13,11 +13,12 @@ import sys
 import yaml
 
 from MaxText.configuration import config_loader
-from MaxText.configuration.config_keys import Key, On, data, mesh, model, rl, run, tools, training, upstream
+from MaxText.configuration.config_keys import Key, On, data, mesh, model, multimodal, rl, run, tools, training, upstream
 
 SECTIONS: dict[str, dict[str, Key]] = {
   **run.SECTIONS,
   **model.SECTIONS,
+  **multimodal.SECTIONS,
   **mesh.SECTIONS,
   **training.SECTIONS,
   **rl.SECTIONS,

@@ -228,6 +228,11 @@ _HF_FILE_BUILDERS = ("json", "parquet", "csv", "text", "arrow")
 
 
 def _check_data(v):
+  if v["use_multimodal"] and v["dataset_type"] != "synthetic" and not (v["use_sft"] and not v["packing"]):
+    raise ConfigError(
+      f"use_multimodal=true reads image-text chat records: set use_sft=true and packing=false (one sample and its "
+      f"images per row), with dataset_type={v['dataset_type']}"
+    )
   kind = v["dataset_type"]
   defaults = config_loader.base_defaults()
   if v["train_data_column"] != defaults["train_data_column"] and v["train_data_columns"] != defaults["train_data_columns"]:
@@ -303,6 +308,41 @@ def _check_diagnostics(v):
       )
 
 
+def _check_multimodal(v):
+  """Gemma 3's images: the decoder, the encoder's dims, and the layouts whose attention sees the images' mask."""
+  if not v["use_multimodal"]:
+    return
+  if v["decoder_block"] != "gemma3":
+    raise ConfigError(f"use_multimodal=true needs decoder_block=gemma3 (Gemma 3's vision encoder), not {v['decoder_block']}")
+  size, patch = v["image_size_for_vit"], v["patch_size_for_vit"]
+  side, tokens = size // patch, v["mm_tokens_per_image"]
+  tokens_side = round(tokens**0.5)
+  if size % patch or tokens_side**2 != tokens or side % tokens_side:
+    raise ConfigError(
+      f"image_size_for_vit={size}, patch_size_for_vit={patch} and mm_tokens_per_image={tokens}: the patch size must "
+      f"divide the image, and the tokens be a square whose side divides the patches' ({side})"
+    )
+  if v["hidden_size_for_vit"] % v["num_attention_heads_for_vit"]:
+    raise ConfigError(
+      f"num_attention_heads_for_vit={v['num_attention_heads_for_vit']} must divide "
+      f"hidden_size_for_vit={v['hidden_size_for_vit']}"
+    )
+  if not 0 <= v["image_token_id"] < v["vocab_size"]:
+    raise ConfigError(
+      f"image_token_id={v['image_token_id']} must be a token of the vocabulary (vocab_size={v['vocab_size']})"
+    )
+  for key in ("ici_pipeline_parallelism", "dcn_pipeline_parallelism"):
+    if v.get(key, 1) != 1:
+      raise ConfigError(f"use_multimodal=true does not run pipelined yet ({key}={v[key]}); shard over fsdp or tensor")
+  if (
+    v.get("context_parallel_strategy") == "ring"
+    and v.get("ici_context_parallelism", 1) * v.get("dcn_context_parallelism", 1) != 1
+  ):
+    raise ConfigError(
+      "use_multimodal=true with context parallelism needs context_parallel_strategy=all_gather (ring's mask has no images)"
+    )
+
+
 def validate_model(values: dict) -> None:
   """The checks that a model's keys pass, alone and together (choices, ranges, heads, layers, activations): of a
   second model (a distillation teacher) whose keys are set over a config already validated and resolved."""
@@ -313,6 +353,7 @@ def validate_model(values: dict) -> None:
   _check_layer_options(values)
   _check_deepseek(values)
   _check_llama4(values)
+  _check_multimodal(values)
 
 
 def validate_static(values: dict, reads_data: bool = True) -> None:

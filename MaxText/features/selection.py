@@ -14,6 +14,7 @@ from MaxText.features import (
   grpo,
   lora,
   losses,
+  multimodal,
   numerics,
   pipeline_layout,
   quantization,
@@ -33,6 +34,8 @@ def for_config(config) -> tuple[feature_protocol.Feature, ...]:
     chosen.append(numerics.NumericsStatistics(config))
   if routing_bias.present(config):
     chosen.append(routing_bias.RoutingBias(config))
+  if config.use_multimodal:
+    chosen.append(multimodal.Multimodal(config))
   if config.enable_lora:
     chosen.append(lora.Lora(config))
   if config.num_experts > 1:

@@ -74,14 +74,15 @@ def to_host(x) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def prefill(model, pick, params, tokens, true_length, rng):
+def prefill(model, pick, params, tokens, true_length, rng, images=None):
   """Runs the padded prompts (B, P) through the model from an empty cache; returns (cache, last logits, first token).
 
   Sampling draws from fold_in(rng, 0) here and fold_in(rng, i) at step i (all on the device, no eager ops).
+  images: None, or the prompts' images (B, N, C, H, W) (use_multimodal).
   """
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
   segment_ids = (positions < true_length[:, None]).astype(jnp.int32)  # 0: padding
-  logits, variables = model.apply({"params": params}, tokens, positions, segment_ids, mutable=["cache"])
+  logits, variables = model.apply({"params": params}, tokens, positions, segment_ids, images=images, mutable=["cache"])
   last = jnp.take_along_axis(logits, (true_length - 1)[:, None, None], axis=1)[:, 0]  # (B, V)
   return nn.unbox(variables["cache"]), last, on_every_process(pick(last, jax.random.fold_in(rng, 0)))
 

@@ -4,7 +4,7 @@ Entry point: MaxText/convert_checkpoint.py.
 """
 
 from MaxText.errors import UserError
-from MaxText.hf_conversion import deepseek, gemma, gemma2, gemma3, llama, llama4, mistral, mixtral, qwen3
+from MaxText.hf_conversion import deepseek, gemma, gemma2, gemma3, gemma3_vision, llama, llama4, mistral, mixtral, qwen3
 
 FAMILIES = (
   llama.FAMILY,
@@ -13,6 +13,7 @@ FAMILIES = (
   gemma.FAMILY,
   gemma2.FAMILY,
   gemma3.FAMILY,
+  gemma3_vision.FAMILY,
   qwen3.FAMILY,
   qwen3.MOE_FAMILY,
   deepseek.FAMILY,
@@ -31,9 +32,10 @@ def family_for_hf_config(hf: dict, where: str):
   raise UserError(f"{where}: unsupported architecture {architectures} (model_type '{model_type}'); supported: {supported}")
 
 
-def family_for_decoder_block(decoder_block: str):
+def family_for_decoder_block(decoder_block: str, multimodal: bool = False):
+  """The family of a MaxText decoder_block, with images (use_multimodal) or not."""
   for family in FAMILIES:
-    if family.decoder_block == decoder_block:
+    if family.decoder_block == decoder_block and family.multimodal == multimodal:
       return family
   supported = ", ".join(family.decoder_block for family in FAMILIES)
   raise UserError(f"decoder_block={decoder_block} has no Hugging Face conversion; supported: {supported}")

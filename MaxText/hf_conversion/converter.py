@@ -247,7 +247,7 @@ def to_hf(maxtext_dir: str, output_dir: str, merge_lora: bool = False) -> str:
   (its load_parameters_path) with the adapters merged, as a full HF checkpoint (hf_conversion/peft.py).
   """
   config, params_dir = load_maxtext_dir(maxtext_dir)
-  family = family_for_decoder_block(config.decoder_block)
+  family = family_for_decoder_block(config.decoder_block, getattr(config, "use_multimodal", False))
   if os.path.exists(output_dir) and os.listdir(output_dir):
     raise UserError(f"{output_dir} already exists and is not empty; choose another --output_dir (nothing is overwritten)")
   reader = maxtext_io.ParamsReader(params_dir)

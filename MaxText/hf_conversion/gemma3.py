@@ -5,11 +5,10 @@ local or global follows from its index (layers/gemma3.py), which config.json sta
 sliding_window_pattern (the Hub's files). RoPE comes per kind: transformers 5 writes rope_parameters per layer type,
 the Hub's files rope_theta and rope_scaling (the global layers') and rope_local_base_freq (the local layers').
 
-to_maxtext also reads the text model of a multimodal checkpoint (Gemma3ForConditionalGeneration: how the Hub ships
-4b, 12b and 27b); to_hf writes a text-only Gemma3ForCausalLM.
+A multimodal checkpoint (Gemma3ForConditionalGeneration: how the Hub ships 4b, 12b and 27b) converts with its vision
+tower (gemma3_vision.py), whose text model is this one under other names.
 """
 
-from MaxText import max_logging
 from MaxText.errors import UserError
 from MaxText.hf_conversion import gemma, gemma2, hf_config, qwen3
 from MaxText.hf_conversion.tables import Family
@@ -41,23 +40,6 @@ def text_config(hf: dict) -> dict:
   """The text model's config: config.json itself (Gemma3ForCausalLM) or its text_config (the multimodal
   Gemma3ForConditionalGeneration), over transformers' defaults."""
   return {**TEXT_CONFIG_DEFAULTS, **(hf.get("text_config") or {} if hf.get("model_type") == "gemma3" else hf)}
-
-
-def text_tensor_name(hf: dict):
-  """Names of a multimodal checkpoint's text tensors as Gemma3ForCausalLM's (language_model.model.X as written by
-  transformers 4, model.language_model.X by transformers 5, both -> model.X); the vision tower and projector are
-  hidden, as is a tied lm_head. A text-only checkpoint keeps its names."""
-  if hf.get("model_type") != "gemma3":
-    return lambda name: name
-  max_logging.log("Converting the text model of this Gemma3ForConditionalGeneration; its vision tower is left out")
-
-  def rename(name: str):
-    for prefix in ("language_model.model.", "model.language_model."):
-      if name.startswith(prefix):
-        return "model." + name.removeprefix(prefix)
-    return None
-
-  return rename
 
 
 def _layer_types(layers: int) -> list[str]:
@@ -117,12 +99,11 @@ def config_to_hf(cfg) -> dict:
 
 FAMILY = Family(
   name="gemma3",
-  model_types=("gemma3_text", "gemma3"),  # gemma3: the text model of Gemma3ForConditionalGeneration
+  model_types=("gemma3_text",),
   architecture="Gemma3ForCausalLM",
   decoder_block="gemma3",
   global_params=gemma.GLOBAL_PARAMS,
   layer_params=LAYER_PARAMS,
   config_to_maxtext=config_to_maxtext,
   config_to_hf=config_to_hf,
-  hf_tensor_name=text_tensor_name,
 )

@@ -17,6 +17,8 @@ from MaxText.hf_conversion import tables
 
 _PER_LAYER = re.compile(rf"({'|'.join(STACK_NAMES)})_(\d+)")
 _MTP_DEPTH = re.compile(r"mtp_(\d+)")
+# The modules whose stacks the plan knows, and the prefix of their stacks' names in a Family (vision_layers).
+_STACK_PARENTS = {"decoder": "", "vision_encoder": "vision_"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,12 +46,13 @@ class Array:
 
 def _stack_of(keys: tuple) -> tuple[str | None, int | None]:
   """(the stack a param belongs to, its block for a per-layer param) or (None, None) outside the stacks."""
-  if len(keys) < 3 or keys[0] != "decoder":
+  if len(keys) < 3 or keys[0] not in _STACK_PARENTS:
     return None, None
+  prefix = _STACK_PARENTS[keys[0]]
   if keys[1] in STACK_NAMES:
-    return keys[1], None
+    return prefix + keys[1], None
   match = _PER_LAYER.fullmatch(keys[1])
-  return (match.group(1), int(match.group(2))) if match else (None, None)
+  return (prefix + match.group(1), int(match.group(2))) if match else (None, None)
 
 
 def rule_for(keys: tuple, family, scan_axis: int):
@@ -75,6 +78,9 @@ def _first_blocks(family, shapes: dict, scan_axis: int) -> dict[str, int]:
       blocks[stack] = max(blocks.get(stack, 0), count)
   offsets, first = {}, 0
   for stack in family.stacks:
+    if stack in family.own_numbering:
+      offsets[stack] = 0
+      continue
     offsets[stack], first = first, first + blocks.get(stack, 0)
   offsets["mtp"] = first  # the depths follow the decoder's layers
   return offsets

@@ -17,7 +17,8 @@ from MaxText.configuration import common_types
 #   heads_out  attention output projection                    (E, N*D) -> (N, D, E)
 #   first_half, second_half   one of two params fused on the HF tensor's last axis (Llama 4's experts' gate_up_proj)
 #                                                              (..., 2M) -> (..., M)
-OPS = ("identity", "transpose", "heads_in", "heads_out", "first_half", "second_half")
+#   patches    a patch embedding's conv kernel                (out, C, p, p) -> (C, p, p, out)
+OPS = ("identity", "transpose", "heads_in", "heads_out", "first_half", "second_half", "patches")
 HALVES = ("first_half", "second_half")
 
 
@@ -57,6 +58,8 @@ def to_maxtext(x: np.ndarray, op: str, shape: tuple) -> np.ndarray:
     return x[..., :half] if op == "first_half" else x[..., half:]
   if op == "transpose":
     return x.T
+  if op == "patches":
+    return x.transpose(1, 2, 3, 0)
   return x.T.reshape(shape)  # heads_in (N*D, E) -> (E, N, D); heads_out (E, N*D) -> (N, D, E)
 
 
@@ -74,6 +77,8 @@ def to_hf(x: np.ndarray, op: str) -> np.ndarray:
     return x
   if op == "transpose":
     return x.T
+  if op == "patches":
+    return x.transpose(3, 0, 1, 2)
   if op == "heads_in":
     return x.reshape(x.shape[0], -1).T  # (N*D, E)
   return x.reshape(-1, x.shape[-1]).T  # heads_out: (E, N*D)
@@ -87,6 +92,8 @@ def hf_shape(maxtext_shape: tuple, op: str) -> tuple:
     return (*maxtext_shape[:-1], 2 * maxtext_shape[-1])
   if op == "transpose":
     return tuple(reversed(maxtext_shape))
+  if op == "patches":
+    return (maxtext_shape[-1], *maxtext_shape[:-1])
   if op == "heads_in":
     emb, heads, head_dim = maxtext_shape
     return (heads * head_dim, emb)
@@ -116,6 +123,8 @@ class Family:
     hf_tensor_name: None, or (config.json dict) -> a function from a checkpoint's tensor names to the names in
       layer_params and global_params (None hides a tensor): a checkpoint that holds the model under other names
       (Gemma 3's multimodal ones hold the text model under language_model).
+    multimodal: the family of use_multimodal=true models (decoder_block names the text model's).
+    own_numbering: stacks whose HF layers count from 0 (a vision encoder's), not on from the stacks before them.
   """
 
   name: str
@@ -130,6 +139,8 @@ class Family:
   stack_params: dict | None = None
   mtp_params: tuple = ()
   checkpoint_keys: object = None
+  multimodal: bool = False
+  own_numbering: tuple = ()
 
   def layer_table(self, stack: str) -> tuple:
     """The params of one layer of the stack named `stack`."""

@@ -128,7 +128,15 @@ class Generation:
 
 
 def generate(
-  config, model, params, mesh, prompt_ids, end_ids=(), valid_vocab: int | None = None, keep_logits: bool = False
+  config,
+  model,
+  params,
+  mesh,
+  prompt_ids,
+  end_ids=(),
+  valid_vocab: int | None = None,
+  keep_logits: bool = False,
+  images=None,
 ) -> Generation:
   """Samples max_target_length - max_prefill_predict_length tokens after the prompt in each of the batch rows,
   stopping early once every row has produced an end token.
@@ -141,6 +149,8 @@ def generate(
     end_ids: token ids that end a row.
     valid_vocab: sample only ids below it (the tokenizer's vocabulary); default: all of vocab_size.
     keep_logits: also return the logits of every sampled token (for tests).
+    images: None, or the prompt's images (N, C, H, W) (use_multimodal: its soft tokens are in prompt_ids), the same
+      for every row.
   """
   rows, padded = config.micro_batch_size_to_load, config.max_prefill_predict_length
   num_tokens = config.max_target_length - padded
@@ -152,14 +162,15 @@ def generate(
   true_length = jax.device_put(np.full((rows,), len(prompt_ids), np.int32), rows_sharding)
   rng = jax.random.PRNGKey(config.decode_sampling_seed)
   end_ids = np.asarray(end_ids, np.int32)
+  if images is not None:
+    images = jax.device_put(np.broadcast_to(images, (rows, *np.shape(images))), rows_sharding)
 
   jax.block_until_ready((params, tokens, true_length))  # the prefill time excludes loading the params
   with sharding.logical_context(mesh, config):
-    compiled = (
-      jax.jit(functools.partial(prefill_decode.prefill, model, pick)).lower(params, tokens, true_length, rng).compile()
-    )
+    prefill = jax.jit(functools.partial(prefill_decode.prefill, model, pick))
+    compiled = prefill.lower(params, tokens, true_length, rng, images).compile()
     start = time.perf_counter()
-    cache, logits, token = jax.block_until_ready(compiled(params, tokens, true_length, rng))
+    cache, logits, token = jax.block_until_ready(compiled(params, tokens, true_length, rng, images))
     prefill_s = time.perf_counter() - start
 
     step = jax.jit(functools.partial(prefill_decode.decode_step, model, pick), donate_argnums=(1,))

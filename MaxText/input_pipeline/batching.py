@@ -18,7 +18,7 @@ import queue
 import numpy as np
 
 from MaxText.errors import UserError
-from MaxText.input_pipeline.packing import BATCH_KEYS, PackedStream, RandomAccessCursor, StreamCursor
+from MaxText.input_pipeline.packing import PackedStream, RandomAccessCursor, StreamCursor
 
 
 def check_state_kind(state: dict, kind: str) -> None:
@@ -43,7 +43,13 @@ def merge_process_states(own: dict, states: list[dict]) -> dict:
 
 
 def _stack(rows: list[dict]) -> dict:
-  return {k: np.stack([row[k] for row in rows]) for k in BATCH_KEYS}
+  """Rows -> a batch: BATCH_KEYS, and what every row carries besides (a multimodal row's images)."""
+  return {k: np.stack([row[k] for row in rows]) for k in rows[0]}
+
+
+def _padding_like(row: dict) -> dict:
+  """A padding row of a real row's keys and shapes (segmentation 0: no loss)."""
+  return {k: np.zeros_like(v) for k, v in row.items()}
 
 
 class RowStreamBatcher:
@@ -67,7 +73,7 @@ class RowStreamBatcher:
         rows.append(None)
     if all(row is None for row in rows):
       raise StopIteration
-    padding = {k: np.zeros_like(next(r for r in rows if r is not None)[k]) for k in BATCH_KEYS}
+    padding = _padding_like(next(r for r in rows if r is not None))
     return _stack([row if row is not None else padding for row in rows])
 
   def get_state(self) -> dict:
@@ -120,17 +126,17 @@ class ShardStreamBatcher:
 
   def __next__(self) -> dict:
     """Rows of the shards in order; a shard whose stream ran out gives padding rows. StopIteration once all have."""
-    rows, real = [], False
+    rows = []
     for stream in self._streams.values():
       for _ in range(self._rows_per_shard):
         try:
           rows.append(stream.next_row())
-          real = True
         except StopIteration:
-          rows.append({k: np.zeros(self._seq_len, np.int32) for k in BATCH_KEYS})
-    if not real:
+          rows.append(None)
+    if all(row is None for row in rows):
       raise StopIteration
-    return _stack(rows)
+    padding = _padding_like(next(r for r in rows if r is not None))
+    return _stack([row if row is not None else padding for row in rows])
 
   def get_state(self) -> dict:
     """{"num_shards": S, "shards": {data shard: stream state}}; a checkpoint unions the shards of all processes."""
@@ -255,7 +261,7 @@ class WorkerRowStreamBatcher:
     for index, part in enumerate(self._parts):
       batch = parts.get(index)
       for i, row in enumerate(part):
-        rows[row] = {k: batch[k][i] if batch is not None else np.zeros_like(template[k][0]) for k in BATCH_KEYS}
+        rows[row] = {k: batch[k][i] if batch is not None else np.zeros_like(template[k][0]) for k in template}
     return _stack([rows[r] for r in sorted(rows)])
 
   def get_state(self) -> dict:

@@ -17,6 +17,7 @@ from MaxText.input_pipeline.batching import RowStreamBatcher, ShardStreamBatcher
 from MaxText.input_pipeline.documents import DocumentDecoder
 from MaxText.input_pipeline.dpo import DpoDecoder
 from MaxText.input_pipeline.grpo_prompts import GrpoPromptDecoder
+from MaxText.input_pipeline.image_sft import ImageSftDecoder
 from MaxText.input_pipeline.multihost_dataloading import GlobalBatchIterator, data_shards, describe_rows, process_rows
 from MaxText.input_pipeline.sft import SftDecoder
 from MaxText.input_pipeline.synthetic import SyntheticDataIterator
@@ -31,7 +32,7 @@ def document_decoder(config, train: bool):
   if config.use_dpo:
     return DpoDecoder(config, train)
   if config.use_sft:
-    return SftDecoder(config, train)
+    return ImageSftDecoder(config, train) if config.use_multimodal else SftDecoder(config, train)
   return DocumentDecoder(
     column=config.train_data_column if train else config.eval_data_column,
     tokenize=config.tokenize_train_data if train else config.tokenize_eval_data,

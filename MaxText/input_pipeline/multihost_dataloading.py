@@ -92,9 +92,10 @@ class GlobalBatchIterator:
     self._handed_out = 0  # batches of data handed out
 
   def _to_global(self, local_batch: dict) -> dict:
-    def make(local):
+    def make(local):  # (rows, length), or a multimodal batch's images (rows, N, C, H, W)
+      shape = (self._global_shape[0], *local.shape[1:])
       return jax.make_array_from_callback(
-        self._global_shape, self._sharding, lambda index: device_shard(local, self._rows, index, self._global_shape[0])
+        shape, self._sharding, lambda index: device_shard(local, self._rows, index, self._global_shape[0])
       )
 
     return {k: make(np.asarray(v)) for k, v in local_batch.items()}
@@ -110,12 +111,14 @@ class GlobalBatchIterator:
 
   def _produce(self):
     try:
+      template = {k: np.zeros((len(self._rows), self._global_shape[1]), np.int32) for k in BATCH_KEYS}
       for local_batch in self._local:
+        template = local_batch  # padding takes a real batch's keys and shapes (a multimodal one's images)
         # A copy: the local iterator may keep changing the same state object as it reads ahead.
         if not self._put((self._to_global(local_batch), copy.deepcopy(self._local.get_state()))):
           return
       state = self._local.get_state()
-      padding = self._to_global({k: np.zeros((len(self._rows), self._global_shape[1]), np.int32) for k in BATCH_KEYS})
+      padding = self._to_global({k: np.zeros_like(v) for k, v in template.items()})
       self._padding = padding  # the consumer says the data is used up when it reaches it, not this read-ahead
       while self._put((padding, state)):
         pass

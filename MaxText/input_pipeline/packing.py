@@ -9,7 +9,8 @@ A document may carry its own "segment_ids" (1, 2, ...) and "inputs_position" (a 
 
 A document with a "loss_mask" (SFT samples, input_pipeline/sft.py) is never split: one that does not fit in the
 row's room starts the next row. Its targets where the mask is 0 get targets_segmentation 0, which the loss skips,
-while inputs_segmentation keeps attention inside the sample.
+while inputs_segmentation keeps attention inside the sample. A document's "images" (use_multimodal, unpacked) become
+its row's.
 """
 
 import numpy as np
@@ -125,6 +126,8 @@ class PackedStream:
         mask = document.get("loss_mask")
         row["targets_segmentation"][filled : filled + take] = segments if mask is None else segments * mask[piece]
         segment = int(np.max(segments))
+        if "images" in document:  # a multimodal sample's pixels (unpacked: one sample per row)
+          row["images"] = document["images"]
         filled += take
         self._offset += take
       if not self._packing or self._offset >= len(document["inputs"]) or "loss_mask" in document:

@@ -252,7 +252,8 @@ class Attention(nn.Module):
     if self.is_mutable_collection("cache") and not self.is_initializing():
       key, value = self._update_cache(key, value, positions)  # (B, S, Nkv, D): every slot
       mask = choose(
-        is_local, lambda local: cache_mask(positions, self.cache_length, self._window(local), self.attention_chunk)
+        is_local,
+        lambda local: cache_mask(positions, self.cache_length, self._window(local), self.attention_chunk, segment_ids),
       )
       out = masked_attention(query, key, value, mask, logits_soft_cap=self.logits_soft_cap)
     else:

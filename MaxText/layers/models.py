@@ -22,8 +22,9 @@ from MaxText.layers import (
   pipeline,
   quantizations,
   remat,
+  vision_encoder,
 )
-from MaxText.layers.attention_masks import soft_cap
+from MaxText.layers.attention_masks import ImageSegments, soft_cap
 from MaxText.layers.block_parts import DecoderFamily
 from MaxText.layers.default_block import DecoderLayer
 from MaxText.layers.embeddings import Embed
@@ -146,9 +147,14 @@ class Decoder(nn.Module):
     return block
 
   @nn.compact
-  def __call__(self, tokens, positions, segment_ids, deterministic: bool):
+  def __call__(self, tokens, positions, segment_ids, deterministic: bool, soft_tokens=None):
+    """soft_tokens: None, or (B, N * S, E) the soft tokens of each row's images, which take the places of the
+    image_token_id tokens (and attend both ways within an image: ImageSegments)."""
     cfg = self.config
     y = self._embed(tokens, positions)  # (B, T, E)
+    if soft_tokens is not None:
+      y = vision_encoder.place_soft_tokens(y, tokens, soft_tokens, cfg.image_token_id)
+      segment_ids = ImageSegments(segment_ids, vision_encoder.image_blocks(tokens, cfg.image_token_id))
     y = block_parts.dropout(cfg)(y, deterministic=deterministic)
     y = self._layers(y, positions, segment_ids, deterministic)
     y = DECODER_BLOCKS[cfg.decoder_block].final_norm(cfg, "decoder_norm")(y)
@@ -304,10 +310,30 @@ class Transformer(nn.Module):
     )
     gemm = self.gemm or Gemm(quant=quantizations.from_config(cfg))
     self.decoder = Decoder(config=cfg, shared_embedding=self.token_embedder, gemm=gemm, name="decoder")
+    if cfg.use_multimodal:  # the image side, beside the text decoder (params vision_encoder/, vision_projector/)
+      policy = cfg.remat_policy_for_vit
+      self.vision_encoder = vision_encoder.VisionEncoder(
+        cfg,
+        remat.custom_policy(cfg) if policy == "custom" else REMAT_POLICIES[policy],
+        remat=policy != "none",
+        name="vision_encoder",
+      )
+      self.vision_projector = vision_encoder.MultiModalProjector(cfg, name="vision_projector")
 
-  def __call__(self, tokens, positions, segment_ids=None, deterministic: bool = True):
+  def __call__(self, tokens, positions, segment_ids=None, deterministic: bool = True, images=None):
     """tokens, positions, segment_ids: (B, T) int arrays (segment_ids None: one segment per row) -> (B, T, V) float32
-    logits. deterministic=False applies dropout (with a "dropout" rng)."""
+    logits. deterministic=False applies dropout (with a "dropout" rng).
+
+    images (use_multimodal): None, or (B, N, C, H, W) float pixel values, each row's N images (rows with fewer are
+    padded; an image without soft tokens in its row is unused), in the order of their soft-token runs."""
+    cfg = self.config
     if segment_ids is None:
       segment_ids = jnp.ones_like(tokens)
-    return self.decoder(tokens, positions, segment_ids, deterministic)
+    if cfg.use_multimodal and images is None and self.is_initializing():  # the encoder's params exist from init
+      size = cfg.image_size_for_vit
+      images = jnp.zeros((tokens.shape[0], 1, cfg.num_channels_for_vit, size, size), jnp.float32)
+    soft = None
+    if cfg.use_multimodal and images is not None:
+      frozen = cfg.freeze_vision_encoder_params
+      soft = vision_encoder.soft_tokens_of(self.vision_encoder, self.vision_projector, images, frozen, deterministic)
+    return self.decoder(tokens, positions, segment_ids, deterministic, soft)

@@ -152,6 +152,7 @@ def test_the_switches_are_those_the_companion_warnings_named():
     ],
     "temperature_tuning=true": ["temperature_tuning_scale", "temperature_tuning_floor_scale"],
     "rope_type=yarn": ["rope_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale"],
+    "use_multimodal=true": ["freeze_vision_encoder_params", "dtype_mm"],
   }
 
 

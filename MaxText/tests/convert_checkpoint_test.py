@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch  # requirements-test.txt
 import transformers
-from safetensors import safe_open
 
 from MaxText.checkpoints import checkpointing
 from MaxText.hf_conversion import converter, logit_check, maxtext_io
@@ -22,6 +21,7 @@ from MaxText.tests.tiny_models import (
   HF_LLAMA31_ROPE,
   HF_TINY,
   build_hf_model,
+  hf_tensors,
   randomize_hf_weights,
   step0_losses,
 )
@@ -55,15 +55,6 @@ def _params(maxtext_dir: str) -> dict:
   return {keys: maxtext_io.read(store) for keys, store in reader.params().items()}
 
 
-def _safetensors(hf_dir: str) -> dict:
-  out = {}
-  for name in sorted(os.listdir(hf_dir)):
-    if name.endswith(".safetensors"):
-      with safe_open(os.path.join(hf_dir, name), framework="pt") as f:
-        out.update({k: f.get_tensor(k) for k in f.keys()})
-  return out
-
-
 def _logits(maxtext_dir: str, tokens, **kwargs):
   model_yml = os.path.join(maxtext_dir, converter.MODEL_YML)
   return logit_check.maxtext_logits(model_yml, os.path.join(maxtext_dir, converter.PARAMS_DIR), tokens, **kwargs)
@@ -90,7 +81,7 @@ def test_step0_training_loss_is_transformers_cross_entropy(converted, family):
 def test_round_trips_are_bitwise(converted, family, tmp_path):
   hf_dir, maxtext_dir = converted(family)
   hf_out = converter.to_hf(maxtext_dir, str(tmp_path / "hf_out"))
-  original, back = _safetensors(hf_dir), _safetensors(hf_out)
+  original, back = hf_tensors(hf_dir), hf_tensors(hf_out)
   assert sorted(original) == sorted(back)
   for name, tensor in original.items():
     assert tensor.dtype == back[name].dtype and torch.equal(tensor, back[name]), name
@@ -126,7 +117,7 @@ def test_bfloat16_sharded_and_bin_checkpoints_convert_alike(tmp_path):
   assert os.path.isfile(os.path.join(sharded, "model.safetensors.index.json"))
   bin_dir = str(tmp_path / "bin")
   os.makedirs(bin_dir)
-  torch.save(_safetensors(single), os.path.join(bin_dir, "pytorch_model.bin"))
+  torch.save(hf_tensors(single), os.path.join(bin_dir, "pytorch_model.bin"))
   with open(os.path.join(single, "config.json"), encoding="utf-8") as f:
     config = json.load(f)
   with open(os.path.join(bin_dir, "config.json"), "w", encoding="utf-8") as f:
@@ -140,7 +131,7 @@ def test_bfloat16_sharded_and_bin_checkpoints_convert_alike(tmp_path):
     other = _params(outs[name])
     assert all(np.array_equal(reference[k], other[k]) for k in reference), name
   hf_out = converter.to_hf(outs["single"], str(tmp_path / "hf_out"))
-  original, back = _safetensors(single), _safetensors(hf_out)
+  original, back = hf_tensors(single), hf_tensors(hf_out)
   assert all(torch.equal(original[k], back[k]) and back[k].dtype == torch.bfloat16 for k in original)
 
 
@@ -209,7 +200,7 @@ def test_errors_name_the_problem_in_one_line(converted, tmp_path):
   # A missing tensor, and a tensor of the wrong shape.
   broken = tmp_path / "broken"
   broken.mkdir()
-  tensors = {k: v.clone() for k, v in _safetensors(hf_dir).items()}
+  tensors = {k: v.clone() for k, v in hf_tensors(hf_dir).items()}
   del tensors["model.layers.1.mlp.up_proj.weight"]
   from safetensors.torch import save_file  # pylint: disable=import-outside-toplevel
 
@@ -297,25 +288,6 @@ def test_gemma3_config_forms_of_the_hub_and_transformers_5():
     gemma3.config_to_maxtext(shifted, "shifted/config.json")
 
 
-def test_gemma3_multimodal_checkpoint_gives_its_text_model(tmp_path):
-  """Gemma3ForConditionalGeneration (how the Hub ships 4b and up): the text model converts, the vision tower is left
-  out, and the logits of a text-only input match transformers'."""
-  text = dict(HF_TINY, **HF_FAMILIES["gemma3"][1])
-  vision = dict(
-    hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
-  )
-  config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
-  model = transformers.Gemma3ForConditionalGeneration(config)
-  randomize_hf_weights(model, seed=3)
-  model.save_pretrained(tmp_path / "hf")
-  converter.to_maxtext(str(tmp_path / "hf"), str(tmp_path / "maxtext"))
-  tokens = logit_check.random_tokens(HF_TINY["vocab_size"])
-  max_abs, _ = logit_check.compare(
-    logit_check.hf_logits(str(tmp_path / "hf"), tokens), _logits(str(tmp_path / "maxtext"), tokens)
-  )
-  assert max_abs < TOLERANCE
-
-
 def test_deepseek_config_as_the_hub_ships_it():
   """deepseek-ai/DeepSeek-V3's config.json: rope_scaling with "type": "yarn", no head_dim, num_nextn_predict_layers."""
   from MaxText.hf_conversion import deepseek  # pylint: disable=import-outside-toplevel
@@ -374,7 +346,7 @@ def test_deepseek_fp8_block_scaled_weights_read_as_bfloat16(tmp_path):
   from safetensors.torch import save_file  # pylint: disable=import-outside-toplevel
 
   hf_dir = build_hf_model(str(tmp_path / "hf"), "deepseek")
-  tensors, block = _safetensors(hf_dir), 16
+  tensors, block = hf_tensors(hf_dir), 16
   dequantized = {}
   for name, weight in list(tensors.items()):
     if not name.endswith("proj.weight") or weight.ndim != 2:
@@ -397,7 +369,7 @@ def test_deepseek_fp8_block_scaled_weights_read_as_bfloat16(tmp_path):
   converter.to_maxtext(hf_dir, str(tmp_path / "maxtext"))
 
   reference = build_hf_model(str(tmp_path / "reference"), "deepseek")  # the same random weights (same seed)
-  save_file({**_safetensors(reference), **dequantized}, os.path.join(reference, "model.safetensors"))
+  save_file({**hf_tensors(reference), **dequantized}, os.path.join(reference, "model.safetensors"))
   tokens = logit_check.random_tokens(HF_TINY["vocab_size"])
   expected = logit_check.hf_logits(reference, tokens)
   max_abs, _ = logit_check.compare(expected, _logits(str(tmp_path / "maxtext"), tokens))
@@ -440,7 +412,7 @@ def test_deepseek_multi_token_prediction_converts_and_matches_transformers(tmp_p
   mtp = MtpModel(main, 1).to(torch.float32)
   randomize_hf_weights(mtp.layers, seed=5)  # not its embedding and head: the main model's own, shared
   layers, moe_intermediate = main.config.num_hidden_layers, main.config.moe_intermediate_size
-  tensors = _safetensors(hf_dir)
+  tensors = hf_tensors(hf_dir)
   tensors.update(_deepseek_mtp_tensors(mtp, layers, moe_intermediate))
   tensors[f"model.layers.{layers}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
   tensors[f"model.layers.{layers}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
@@ -460,7 +432,7 @@ def test_deepseek_multi_token_prediction_converts_and_matches_transformers(tmp_p
   print(f"MTP logits vs transformers: {max_abs:.3g}")
   assert max_abs < TOLERANCE, max_abs
 
-  back = _safetensors(converter.to_hf(str(tmp_path / "maxtext"), str(tmp_path / "hf_out")))
+  back = hf_tensors(converter.to_hf(str(tmp_path / "maxtext"), str(tmp_path / "hf_out")))
   skipped = {f"model.layers.{layers}.embed_tokens.weight", f"model.layers.{layers}.shared_head.head.weight"}
   assert sorted(back) == sorted(set(tensors) - skipped)
   for name, tensor in back.items():

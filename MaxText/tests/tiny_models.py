@@ -2,6 +2,8 @@
 (nothing is downloaded), and in-process computations on them (decoding, a quantized GEMM, train steps, LoRA logits).
 (The tiny model's config, subprocess runs and the tiny data: helpers.py.)"""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -164,6 +166,17 @@ HF_FAMILIES = {
   ),
 }
 
+# A tiny SigLIP of Gemma 3 (Gemma3Config's vision_config): 56-pixel images, 16 patches of 14 pixels, no pooling head.
+HF_GEMMA3_VISION = {
+  "hidden_size": 32,
+  "intermediate_size": 64,
+  "num_hidden_layers": 2,
+  "num_attention_heads": 2,
+  "image_size": 56,
+  "patch_size": 14,
+  "vision_use_head": False,
+}
+
 
 def randomize_hf_weights(model, seed: int) -> None:
   """Weights of order 1/sqrt(fan_in) and norms around 1, so that logits are O(1) and every weight matters."""
@@ -179,6 +192,18 @@ def randomize_hf_weights(model, seed: int) -> None:
     for name, b in sorted(model.named_buffers()):
       if name.endswith("e_score_correction_bias"):  # DeepSeek's routing bias: a buffer, zeros unless set
         b.copy_(0.2 * torch.randn(b.shape, generator=gen))
+
+
+def hf_tensors(hf_dir: str) -> dict:
+  """{name: torch tensor} of every safetensors file of a Hugging Face directory."""
+  from safetensors import safe_open  # pylint: disable=import-outside-toplevel
+
+  out = {}
+  for name in sorted(os.listdir(hf_dir)):
+    if name.endswith(".safetensors"):
+      with safe_open(os.path.join(hf_dir, name), framework="pt") as f:
+        out.update({k: f.get_tensor(k) for k in f.keys()})
+  return out
 
 
 def build_hf_model(directory: str, family: str, dtype=None, **save_kwargs) -> str:
@@ -323,6 +348,20 @@ def dense_outputs(*args):
 # ---- train steps in this process ----------------------------------------------------------------------------------
 
 
+def next_token_batch(tokens: np.ndarray) -> dict:
+  """The train batch of whole rows of `tokens` (B, T): each token's target is the next one (the last wraps)."""
+  positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
+  ones = np.ones(tokens.shape, np.int32)
+  return dict(
+    inputs=tokens,
+    targets=np.roll(tokens, -1, axis=1),
+    inputs_position=positions,
+    targets_position=positions,
+    inputs_segmentation=ones,
+    targets_segmentation=ones,
+  )
+
+
 def train_on_one_batch(*args, steps: int):
   """Losses of `steps` train steps of the tiny model (tiny_config(*args)) on one repeated batch, and the final state."""
   config = tiny_config("learning_rate=1e-2", "warmup_steps_fraction=0", *args)
@@ -332,17 +371,7 @@ def train_on_one_batch(*args, steps: int):
   step = aot_compile.compile_train_step(setup, config, device_mesh)
   shape = (config.global_batch_size_to_load, config.max_target_length)
   tokens = np.random.default_rng(0).integers(1, 64, shape).astype(np.int32)
-  positions = np.broadcast_to(np.arange(shape[1], dtype=np.int32), shape)
-  ones = np.ones(shape, np.int32)
-  batch = dict(
-    inputs=tokens,
-    targets=np.roll(tokens, -1, axis=1),
-    inputs_position=positions,
-    targets_position=positions,
-    inputs_segmentation=ones,
-    targets_segmentation=ones,
-  )
-  batch = jax.device_put(batch, sharding.data_sharding(config, device_mesh))
+  batch = jax.device_put(next_token_batch(tokens), sharding.data_sharding(config, device_mesh))
   losses = []
   with sharding.logical_context(device_mesh, config):
     for _ in range(steps):

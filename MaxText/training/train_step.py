@@ -1,7 +1,8 @@
 """The loss, train_step and eval_step: pure functions shared by train.py, train_compile.py, the benchmarks and tests.
 
 A batch is a dict of (batch, length) int32 arrays: inputs, inputs_position, inputs_segmentation, targets,
-targets_segmentation (segmentation 0 marks padding, which carries no loss). The run's optional features
+targets_segmentation (segmentation 0 marks padding, which carries no loss); with use_multimodal also images, the rows'
+pixel values (B, N, C, H, W) float32. The run's optional features
 (MaxText/feature_protocol.py) act through their hooks; gradient accumulation, the fractional batch, clipping (in the
 optimizer), the non-finite guard and checkify are every run's, here. Compiling the step ahead of time is in
 aot_compile.py.
@@ -68,6 +69,7 @@ def loss_fn(model, config, features, params, batch, dropout_rng, train: bool, in
       batch["inputs_position"],
       batch["inputs_segmentation"],
       deterministic=deterministic,
+      images=batch.get("images"),  # (B, N, C, H, W) pixel values of a multimodal batch
       rngs={"dropout": dropout_rng},
       mutable=["intermediates"],
     )  # (B, T, V) float32

@@ -1,0 +1,288 @@
+"""Gemma 3 with images against transformers: a tiny random Gemma3ForConditionalGeneration (a 2-layer SigLIP on
+56-pixel images, 16 patches pooled to 4 soft tokens; the 8-layer text model of convert_checkpoint_test with a sliding
+window of 3, shorter than an image's run of soft tokens) converted with to_maxtext gives transformers' logits within
+1e-4 (float32) with one image, two images in a row, and none; to_hf gives back the same bytes, and the exported model
+loads with from_pretrained to the same logits. Slow: the encoder and train steps on fsdp 4 x tensor 2 give one
+device's soft tokens and losses (vision_layouts.py), with the frozen encoder out of the optimizer.
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch  # requirements-test.txt
+import transformers
+
+from MaxText.hf_conversion import converter, logit_check
+from MaxText.input_pipeline import images
+from MaxText.tests.helpers import run_python
+from MaxText.tests.tiny_models import HF_FAMILIES, HF_GEMMA3_VISION, HF_TINY, hf_tensors, randomize_hf_weights
+
+TOLERANCE = 1e-4  # float32; never loosened to make a test pass
+IMAGE, BOI, EOI = 250, 251, 252  # the tiny vocabulary's image soft token, start and end of image
+SOFT_TOKENS = 4
+LENGTH = 24
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+  """(hf_dir, maxtext_dir, transformers' model, the MaxText model and params) of the tiny model, built once."""
+  root = tmp_path_factory.mktemp("gemma3_vision")
+  text = {**HF_TINY, **HF_FAMILIES["gemma3"][1], "sliding_window": 3}
+  config = transformers.Gemma3Config(
+    text_config=text,
+    vision_config=HF_GEMMA3_VISION,
+    mm_tokens_per_image=SOFT_TOKENS,
+    image_token_index=IMAGE,
+    boi_token_index=BOI,
+    eoi_token_index=EOI,
+  )
+  model = transformers.Gemma3ForConditionalGeneration(config)
+  randomize_hf_weights(model, seed=5)
+  model.save_pretrained(root / "hf")
+  maxtext_dir = converter.to_maxtext(str(root / "hf"), str(root / "maxtext"))
+  _, ours, params = logit_check.converted_model(maxtext_dir, os.path.join(root, "maxtext", converter.PARAMS_DIR), LENGTH)
+  return str(root / "hf"), str(root / "maxtext"), _hf_model(str(root / "hf")), (ours, params)
+
+
+def _row(num_images: int, length: int, seed: int) -> np.ndarray:
+  """Text tokens with num_images runs of <start_of_image>, 4 soft tokens, <end_of_image>, spread over the row."""
+  rng = np.random.default_rng(seed)
+  row = rng.integers(0, 240, length)
+  for k in range(num_images):
+    start = 3 + k * (length // max(num_images, 1))
+    row[start : start + SOFT_TOKENS + 2] = [BOI, *[IMAGE] * SOFT_TOKENS, EOI]
+  return row
+
+
+def _case(name: str):
+  """(tokens (B, T), images (B, N, 3, 56, 56) or None) of a case."""
+  rng = np.random.default_rng(len(name))
+  images_per_row = {"one_image": 1, "two_images": 2, "no_image": 0}[name]
+  tokens = np.stack([_row(images_per_row, LENGTH, seed) for seed in range(2)]).astype(np.int32)
+  if not images_per_row:
+    return tokens, None
+  return tokens, rng.normal(size=(2, images_per_row, 3, 56, 56)).astype(np.float32)
+
+
+def _hf_model(hf_dir: str):
+  return transformers.Gemma3ForConditionalGeneration.from_pretrained(
+    hf_dir, dtype=torch.float32, attn_implementation="eager"
+  )
+
+
+def _hf_logits(model, tokens, images) -> np.ndarray:
+  ids = torch.from_numpy(tokens).long()
+  pixels = None if images is None else torch.from_numpy(images.reshape(-1, *images.shape[2:]))
+  with torch.no_grad():
+    return model(input_ids=ids, pixel_values=pixels, token_type_ids=(ids == IMAGE).long()).logits.numpy()
+
+
+def _our_logits(model_and_params, tokens, images) -> np.ndarray:
+  import jax  # pylint: disable=import-outside-toplevel
+
+  model, params = model_and_params
+  positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
+  with jax.default_matmul_precision("float32"):
+    return np.asarray(model.apply({"params": params}, tokens, positions, images=images))
+
+
+@pytest.mark.parametrize("case", ["one_image", "two_images", "no_image"])
+def test_logits_match_transformers(converted, case):
+  _, _, reference, ours = converted
+  tokens, images = _case(case)
+  max_abs, kl = logit_check.compare(_hf_logits(reference, tokens, images), _our_logits(ours, tokens, images))
+  print(f"\n{case}: max |logits diff| {max_abs:.3g}, KL {kl:.3g}")
+  assert max_abs < TOLERANCE, f"{case}: max |logits diff| {max_abs:.3g} (KL {kl:.3g})"
+
+
+@pytest.mark.slow
+def test_per_layer_run_loads_the_scanned_conversion(converted):
+  """scan_layers=false (vision_encoder/layers_<i>, decoder/layers_<i>) loads the scanned params and gives the same
+  logits."""
+  hf_dir, maxtext_dir, reference, _ = converted
+  del hf_dir
+  tokens, images = _case("two_images")
+  unrolled = logit_check.converted_model(
+    os.path.join(maxtext_dir, converter.MODEL_YML), os.path.join(maxtext_dir, converter.PARAMS_DIR), LENGTH, False
+  )[1:]
+  assert "layers_1" in unrolled[1]["vision_encoder"]
+  max_abs, _ = logit_check.compare(_hf_logits(reference, tokens, images), _our_logits(unrolled, tokens, images))
+  assert max_abs < TOLERANCE
+
+
+def test_round_trip_is_bitwise_and_reloads(converted, tmp_path):
+  hf_dir, maxtext_dir, reference, _ = converted
+  hf_out = converter.to_hf(maxtext_dir, str(tmp_path / "hf_out"))
+  original, back = hf_tensors(hf_dir), hf_tensors(hf_out)
+  assert sorted(original) == sorted(back)
+  for name, tensor in original.items():
+    assert tensor.dtype == back[name].dtype and torch.equal(tensor, back[name]), name
+  tokens, images = _case("two_images")
+  np.testing.assert_array_equal(_hf_logits(_hf_model(hf_out), tokens, images), _hf_logits(reference, tokens, images))
+
+
+def test_lora_adapts_the_text_model_only(converted):
+  """A module path that would match the encoder's projections too (q_proj, fc1) adapts the text model alone: the
+  encoder's dense layers multiply plainly."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  from MaxText.training import training_setup  # pylint: disable=import-outside-toplevel
+
+  config = converter.maxtext_config(
+    os.path.join(converted[1], converter.MODEL_YML), enable_lora=True, lora_module_path="(query|q_proj|fc1|wi_0)"
+  )
+  model, tokens = training_setup.create_model(config), np.zeros((1, LENGTH), np.int32)
+  shapes = jax.eval_shape(lambda: model.init({"params": jax.random.PRNGKey(0)}, tokens, tokens))["params"]
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(shapes)]
+  adapted = {p.split("'")[1] for p in paths if "lora_a" in p}
+  assert adapted == {"decoder"}, adapted
+
+
+@pytest.mark.slow
+def test_fsdp_and_tensor_parallel_give_one_device(tmp_path):
+  """The encoder's soft tokens and 3 train steps' losses on fsdp 4 x tensor 2 equal one device's (relative 1e-5);
+  the frozen encoder is in no optimizer state and does not move, the projector does; the encoder is sharded (about
+  15 s with a warm compilation cache)."""
+  report_path = tmp_path / "report.json"
+  result = run_python(
+    ["-m", "MaxText.tests.vision_layouts", str(report_path)],
+    env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  report = json.loads(report_path.read_text())
+  one, sharded = report["one_device"], report["fsdp4_tensor2"]
+  soft, expected = np.asarray(sharded["soft_tokens"]), np.asarray(one["soft_tokens"])
+  assert np.max(np.abs(soft - expected)) <= 1e-5 * np.max(np.abs(expected))  # relative to the outputs' scale
+  np.testing.assert_allclose(sharded["losses"], one["losses"], rtol=1e-5)
+  for run in (one, sharded):
+    assert run["moved"]["vision_encoder"] == 0.0 and run["moved"]["vision_projector"] > 0
+    assert not run["encoder_in_optimizer"]
+  assert sharded["fc1_kernel_shard"] == [8, 2, 32]  # [embed / fsdp 4, layers, mlp / tensor 2]
+
+
+def _word_tokenizer(path, words) -> str:
+  """A whitespace word tokenizer.json whose image tokens have the tiny model's ids (IMAGE, BOI, EOI)."""
+  from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers  # pylint: disable=import-outside-toplevel
+
+  vocab = {"<unk>": 0, **{w: i + 1 for i, w in enumerate(sorted(set(words)))}}
+  vocab.update({images.IMAGE_TOKEN: IMAGE, images.BOI: BOI, images.EOI: EOI})
+  tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+  tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  tokenizer.add_special_tokens([AddedToken(t, special=True) for t in (images.IMAGE_TOKEN, images.BOI, images.EOI)])
+  tokenizer.save(str(path))
+  return str(path)
+
+
+def _write_records(records, directory, kind: str) -> str:
+  """The records as JSON lines (images: paths relative to the file) or as Parquet (a datasets Image column: PIL
+  images when read); returns the file."""
+  import datasets  # pylint: disable=import-outside-toplevel
+  from PIL import Image  # pylint: disable=import-outside-toplevel
+
+  if kind == "json":
+    (directory / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(directory / "data.jsonl")
+  opened = [dict(r, images=[Image.open(directory / name) for name in r["images"]]) for r in records]
+  features = datasets.Features(
+    {"prompt": datasets.Value("string"), "completion": datasets.Value("string"), "images": [datasets.Image()]}
+  )
+  datasets.Dataset.from_list(opened, features=features).to_parquet(str(directory / "data.parquet"))
+  return str(directory / "data.parquet")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["json", "parquet"])
+def test_image_sft_step0_loss_is_transformers_masked_cross_entropy(converted, tmp_path, capsys, kind):
+  """Image-text SFT from JSON lines with relative image paths, or Parquet with an Image column (packing=false,
+  completion only): the first batch's loss equals transformers' cross-entropy over the completions (relative 1e-4);
+  a sample whose image tokens max_target_length would cut is dropped and counted."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from PIL import Image  # pylint: disable=import-outside-toplevel
+
+  from MaxText.features import selection  # pylint: disable=import-outside-toplevel
+  from MaxText.input_pipeline import input_pipeline_interface  # pylint: disable=import-outside-toplevel
+  from MaxText.runtime import mesh  # pylint: disable=import-outside-toplevel
+  from MaxText.training import train_step  # pylint: disable=import-outside-toplevel
+
+  _, maxtext_dir, reference, (model, params) = converted
+  rng = np.random.default_rng(3)
+  for i, size in enumerate([(40, 30), (70, 90), (56, 56)]):
+    Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)).save(tmp_path / f"img{i}.png")
+  records = [
+    {"prompt": "what is in <|image|> ?", "completion": "a red cat on a mat", "images": ["img0.png"]},
+    {
+      "prompt": "compare <|image|> and <|image|> please",
+      "completion": "the first is brighter",
+      "images": ["img1.png", "img2.png"],
+    },
+    {"prompt": " ".join(["word"] * 20) + " <|image|>", "completion": "cut", "images": ["img2.png"]},  # cut: dropped
+    {"prompt": "say hello", "completion": "hello there", "images": []},
+  ]
+  words = " ".join(r["prompt"] + " " + r["completion"] for r in records).split()
+  config = converter.maxtext_config(
+    os.path.join(maxtext_dir, converter.MODEL_YML),
+    dtype="float32",
+    weight_dtype="float32",
+    max_target_length=24,
+    per_device_batch_size=3,
+    dataset_type="hf",
+    hf_path=kind,
+    hf_train_files=_write_records(records, tmp_path, kind),
+    tokenizer_path=_word_tokenizer(tmp_path / "tokenizer.json", words),
+    use_sft=True,
+    train_data_columns=["prompt", "completion"],
+    sft_train_on_completion_only=True,
+    packing=False,
+    add_bos=False,
+    add_eos=False,
+    enable_data_shuffling=False,
+    max_num_images_per_example=2,
+  )
+  iterator = input_pipeline_interface.create_data_iterator(config, mesh.create_device_mesh(config))
+  batch = jax.tree.map(np.array, next(iterator))  # writable copies (torch reads them)
+  iterator.close()
+  assert batch["images"].shape == (3, 2, 3, 56, 56)
+  assert "1 samples dropped whose image tokens max_target_length=24 would cut" in capsys.readouterr().out
+  with jax.default_matmul_precision("float32"):
+    loss, aux = train_step.loss_fn(model, config, selection.for_config(config), params, batch, jax.random.PRNGKey(0), True)
+  total, count = 0.0, 0
+  for row in range(3):  # transformers on each row's tokens alone, labels -100 outside the completion
+    real = int(np.sum(batch["inputs_segmentation"][row] != 0))
+    ids = batch["inputs"][row, :real][None]
+    used = int(np.sum(ids == IMAGE)) // SOFT_TOKENS
+    logits = _hf_logits(reference, ids, batch["images"][row : row + 1, :used] if used else None)[0].astype(np.float64)
+    targets, weights = batch["targets"][row, :real], batch["targets_segmentation"][row, :real] != 0
+    log_probs = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+    total -= np.sum(log_probs[np.arange(real), targets][weights])
+    count += int(np.sum(weights))
+  assert float(aux.weights) == count > 0
+  print(f"\nimage SFT step-0 loss {float(loss / aux.weights):.7f}, transformers {total / count:.7f}, {count} tokens")
+  assert float(loss / aux.weights) == pytest.approx(total / count, rel=1e-4)
+
+
+@pytest.mark.slow
+def test_decoding_with_an_image_gives_transformers_logits(converted):
+  """Greedy decoding from a prompt with an image (the prefill's image attention both ways, through the KV cache):
+  each sampled token's logits equal transformers' forward pass over the prompt and the tokens sampled."""
+  from MaxText.inference import decoding  # pylint: disable=import-outside-toplevel
+  from MaxText.runtime import mesh  # pylint: disable=import-outside-toplevel
+
+  hf_dir, maxtext_dir, reference, _ = converted
+  del hf_dir
+  config, model, params = logit_check.converted_model(
+    os.path.join(maxtext_dir, converter.MODEL_YML),
+    os.path.join(maxtext_dir, converter.PARAMS_DIR),
+    24,
+    max_prefill_predict_length=16,
+    per_device_batch_size=1,
+    decode_sampling_strategy="greedy",
+  )
+  prompt = [5, 6, BOI, *[IMAGE] * SOFT_TOKENS, EOI, 7, 8]
+  pixels = np.random.default_rng(7).normal(size=(1, 3, 56, 56)).astype(np.float32)
+  result = decoding.generate(config, model, params, mesh.create_device_mesh(config), prompt, keep_logits=True, images=pixels)
+  sequence = np.asarray([prompt + result.tokens[0].tolist()], np.int32)
+  expected = _hf_logits(reference, sequence, pixels[None])[0, len(prompt) - 1 : -1]
+  max_abs, _ = logit_check.compare(expected, result.logits[0])
+  assert result.tokens.shape[1] == 8 and max_abs < TOLERANCE, max_abs
