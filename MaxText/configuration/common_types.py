@@ -15,6 +15,7 @@ DECODER_BLOCKS = (
   "qwen3",
   "qwen3_moe",
   "deepseek",
+  "gpt_oss",
 )
 # Decoder layers in one block of the stack, where not 1 (Gemma 2 stacks (local, global) pairs): the one place that
 # says it, read by the config checks (before JAX starts), the decoder stack and the quantization recipes.

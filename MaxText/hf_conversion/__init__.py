@@ -4,7 +4,7 @@ Entry point: MaxText/convert_checkpoint.py.
 """
 
 from MaxText.errors import UserError
-from MaxText.hf_conversion import deepseek, gemma, gemma2, gemma3, llama, mistral, mixtral, qwen3
+from MaxText.hf_conversion import deepseek, gemma, gemma2, gemma3, gpt_oss, llama, mistral, mixtral, qwen3
 
 FAMILIES = (
   llama.FAMILY,
@@ -16,6 +16,7 @@ FAMILIES = (
   qwen3.FAMILY,
   qwen3.MOE_FAMILY,
   deepseek.FAMILY,
+  gpt_oss.FAMILY,
 )
 
 

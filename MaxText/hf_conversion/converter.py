@@ -14,6 +14,7 @@ from MaxText.hf_conversion import (
   family_for_hf_config,
   hf_io,
   maxtext_io,
+  mxfp4,
   peft,
   plan,
   tables,
@@ -111,7 +112,7 @@ def to_maxtext(hf_path: str, output_dir: str, peft_adapter: str = "") -> str:
   checkpoint = hf_io.HFCheckpoint(hf_path)
   if family.hf_tensor_name is not None:
     checkpoint.rename(family.hf_tensor_name(hf_cfg))
-  _dequantize(hf_cfg, checkpoint, where)
+  checkpoint = _dequantize(hf_cfg, checkpoint, where)
   if family.checkpoint_keys is not None:
     keys = family.checkpoint_keys(keys, checkpoint.names())
   if peft_adapter:
@@ -145,20 +146,25 @@ def to_maxtext(hf_path: str, output_dir: str, peft_adapter: str = "") -> str:
   return model_yml
 
 
-def _dequantize(hf_cfg: dict, checkpoint, where: str) -> None:
-  """Block-scaled FP8 weights (DeepSeek-V3's quantization_config) are read as bfloat16; other quantized checkpoints
-  are refused in one line."""
+def _dequantize(hf_cfg: dict, checkpoint, where: str):
+  """The checkpoint, its block-scaled FP8 weights (DeepSeek-V3's quantization_config) or MXFP4 ones (GPT-OSS's) read
+  as bfloat16; other quantized checkpoints are refused in one line."""
   quantization = hf_cfg.get("quantization_config") or (hf_cfg.get("text_config") or {}).get("quantization_config")
   if not quantization:
-    return
+    return checkpoint
   method, block = quantization.get("quant_method"), quantization.get("weight_block_size")
+  if method == "mxfp4":
+    checkpoint = mxfp4.Mxfp4Checkpoint(checkpoint)
+    max_logging.log(f"Reading {checkpoint.count} MXFP4 tensors (blocks and scales) as bfloat16")
+    return checkpoint
   if method != "fp8" or not block or len(block) != 2:
     raise UserError(
-      f"{where}: quantization_config {method} is not supported; convert an unquantized (bfloat16) copy, or FP8 with "
-      "weight_block_size (DeepSeek-V3's)"
+      f"{where}: quantization_config {method} is not supported; convert an unquantized (bfloat16) copy, FP8 with "
+      "weight_block_size (DeepSeek-V3's) or mxfp4 (GPT-OSS's)"
     )
   count = checkpoint.dequantize_fp8(tuple(block))
   max_logging.log(f"Reading {count} FP8 tensors with {block[0]}x{block[1]} block scales as bfloat16")
+  return checkpoint
 
 
 def _check_hf_tensors(checkpoint, tensors, family, hf_path: str) -> None:
@@ -261,7 +267,9 @@ def to_hf(maxtext_dir: str, output_dir: str, merge_lora: bool = False) -> str:
   arrays = plan.plan(
     family, {k: tuple(s.shape) for k, s in stores.items()}, config.param_scan_axis, config.logits_via_embedding, params_dir
   )
-  tensors = [(name, shape, stores[array.keys].dtype.numpy_dtype) for name, shape, _, array, _ in plan.hf_tensors(arrays)]
+  # An HF tensor may gather two slices (tables.INTERLEAVED): one entry per name.
+  named = {name: (shape, stores[array.keys].dtype.numpy_dtype) for name, shape, _, array, _ in plan.hf_tensors(arrays)}
+  tensors = [(name, shape, dtype) for name, (shape, dtype) in named.items()]
   os.makedirs(output_dir, exist_ok=True)
   shards = hf_io.plan_shards(tensors)
   files = (
@@ -269,13 +277,15 @@ def to_hf(maxtext_dir: str, output_dir: str, merge_lora: bool = False) -> str:
     if len(shards) == 1
     else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
   )
-  by_name = {name: (op, array, s) for name, _, op, array, s in plan.hf_tensors(arrays)}
+  by_name = {}
+  for name, _, op, array, s in plan.hf_tensors(arrays):
+    by_name.setdefault(name, []).append((op, array, s))
   with _Progress(sum(plan.nbytes(s, d) for _, s, d in tensors), len(tensors), "MaxText -> HF") as bar:
     for shard, file in zip(shards, files):
       writer = hf_io.SafetensorsWriter(os.path.join(output_dir, file), shard)
       for name, _, _ in shard:
-        op, array, s = by_name[name]
-        value = tables.to_hf(maxtext_io.read(stores[array.keys], s.index), op)
+        parts = [(op, tables.to_hf(maxtext_io.read(stores[array.keys], s.index), op)) for op, array, s in by_name[name]]
+        value = tables.interleave(parts)
         writer.write(name, value)
         bar.update(value.nbytes)
       writer.close()
@@ -295,6 +305,7 @@ def _write_hf_config(family, config, source_dir: str, output_dir: str, dtypes: s
     with open(source, encoding="utf-8") as f:
       hf_cfg = json.load(f)
     hf_cfg.pop("rope_parameters", None)  # written again below, in the form both transformers 4 and 5 read
+    hf_cfg.pop("quantization_config", None)  # the weights written are never quantized
   hf_cfg.update(family.config_to_hf(config))
   dtype = dtypes.pop() if len(dtypes) == 1 else "float32"
   hf_cfg["torch_dtype"] = dtype

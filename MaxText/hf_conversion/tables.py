@@ -15,7 +15,11 @@ from MaxText.configuration import common_types
 #   transpose  MLP and router kernels, logits                 (out, in) -> (in, out)
 #   heads_in   query/key/value projections                    (N*D, E) -> (E, N, D)
 #   heads_out  attention output projection                    (E, N*D) -> (N, D, E)
-OPS = ("identity", "transpose", "heads_in", "heads_out")
+#   heads_bias query/key/value biases                         (N*D,) -> (N, D)
+#   even, odd  one half of a last axis that interleaves two params (GPT-OSS's gate_up_proj: gate, up, gate, ...)
+#                                                             (..., 2M) -> (..., M); to_hf interleaves them again
+OPS = ("identity", "transpose", "heads_in", "heads_out", "heads_bias", "even", "odd")
+INTERLEAVED = ("even", "odd")  # the ops of which two slices make one HF tensor, in this order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,13 +55,19 @@ def to_maxtext(x: np.ndarray, op: str, shape: tuple) -> np.ndarray:
     return x
   if op == "transpose":
     return x.T
+  if op in INTERLEAVED:
+    return x[..., INTERLEAVED.index(op) :: 2]
+  if op == "heads_bias":
+    return x.reshape(shape)
   return x.T.reshape(shape)  # heads_in (N*D, E) -> (E, N, D); heads_out (E, N*D) -> (N, D, E)
 
 
 def to_hf(x: np.ndarray, op: str) -> np.ndarray:
-  """The inverse of to_maxtext."""
-  if op == "identity":
+  """The inverse of to_maxtext (an INTERLEAVED op's slice: see interleave)."""
+  if op in ("identity", *INTERLEAVED):
     return x
+  if op == "heads_bias":
+    return x.reshape(-1)
   if op == "transpose":
     return x.T
   if op == "heads_in":
@@ -65,10 +75,27 @@ def to_hf(x: np.ndarray, op: str) -> np.ndarray:
   return x.reshape(-1, x.shape[-1]).T  # heads_out: (E, N*D)
 
 
+def interleave(parts: list[tuple[str, np.ndarray]]) -> np.ndarray:
+  """One HF tensor from its slices' (op, to_hf value): a single one as it is; "even" and "odd" halves interleaved."""
+  if len(parts) == 1:
+    return parts[0][1]
+  halves = dict(parts)
+  if sorted(halves) != sorted(INTERLEAVED) or len(parts) != 2:
+    raise ValueError(f"cannot make one tensor of slices with ops {[op for op, _ in parts]}")
+  even = halves["even"]
+  out = np.empty((*even.shape[:-1], 2 * even.shape[-1]), even.dtype)
+  out[..., 0::2], out[..., 1::2] = even, halves["odd"]
+  return out
+
+
 def hf_shape(maxtext_shape: tuple, op: str) -> tuple:
   """The HF tensor shape that to_maxtext turns into `maxtext_shape` (one layer, one expert)."""
   if op == "identity":
     return tuple(maxtext_shape)
+  if op in INTERLEAVED:
+    return (*maxtext_shape[:-1], 2 * maxtext_shape[-1])
+  if op == "heads_bias":
+    return (int(np.prod(maxtext_shape)),)
   if op == "transpose":
     return tuple(reversed(maxtext_shape))
   if op == "heads_in":

@@ -15,10 +15,17 @@ import transformers
 from safetensors import safe_open
 
 from MaxText.checkpoints import checkpointing
-from MaxText.features import selection
 from MaxText.hf_conversion import converter, logit_check, maxtext_io
 from MaxText.tests.helpers import run_python
-from MaxText.tests.tiny_models import HF_FAMILIES, HF_LLAMA31_ROPE, HF_TINY, build_hf_model, randomize_hf_weights
+from MaxText.tests.tiny_models import (
+  HF_FAMILIES,
+  HF_LLAMA31_ROPE,
+  HF_TINY,
+  build_hf_model,
+  hf_cross_entropy,
+  randomize_hf_weights,
+  step0_loss,
+)
 
 TOLERANCE = 1e-4  # float32, as the issue fixes it; never loosened to make a test pass
 PARITY = {}  # family -> (max_abs_diff, kl), printed at the end of the module
@@ -75,37 +82,10 @@ def test_logits_match_transformers(converted, family):
 @pytest.mark.parametrize("family", ["gemma3", "deepseek", "qwen3_moe"])
 def test_step0_training_loss_is_transformers_cross_entropy(converted, family):
   """train_step's loss (without auxiliary terms) on the converted params equals transformers' loss with labels."""
-  import jax  # pylint: disable=import-outside-toplevel
-
-  from MaxText.training import train_step  # pylint: disable=import-outside-toplevel
-
   hf_dir, maxtext_dir = converted(family)
   tokens = logit_check.random_tokens(HF_TINY["vocab_size"])  # (B, T): T - 1 inputs and their next tokens
-  model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
-  with torch.no_grad():
-    ids = torch.from_numpy(np.asarray(tokens)).long()
-    expected = float(model(ids, labels=ids).loss)
-  length = tokens.shape[1] - 1
-  config, ours, params = logit_check.converted_model(
-    os.path.join(maxtext_dir, converter.MODEL_YML),
-    os.path.join(maxtext_dir, converter.PARAMS_DIR),
-    length,
-    load_balance_loss_weight=0.0,
-  )
-  positions = np.broadcast_to(np.arange(length, dtype=np.int32), (tokens.shape[0], length))
-  ones = np.ones_like(positions)
-  batch = dict(
-    inputs=tokens[:, :-1],
-    targets=tokens[:, 1:],
-    inputs_position=positions,
-    inputs_segmentation=ones,
-    targets_segmentation=ones,
-  )
-  with jax.default_matmul_precision("float32"):
-    loss, aux = train_step.loss_fn(
-      ours, config, selection.for_config(config), params, batch, jax.random.PRNGKey(0), train=True
-    )
-  assert float(loss / aux.weights) == pytest.approx(expected, rel=1e-4)
+  model_yml, params_dir = os.path.join(maxtext_dir, converter.MODEL_YML), os.path.join(maxtext_dir, converter.PARAMS_DIR)
+  assert step0_loss(model_yml, params_dir, tokens) == pytest.approx(hf_cross_entropy(hf_dir, tokens), rel=1e-4)
 
 
 @pytest.mark.parametrize("family", list(HF_FAMILIES))

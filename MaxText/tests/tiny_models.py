@@ -194,6 +194,42 @@ def build_hf_model(directory: str, family: str, dtype=None, **save_kwargs) -> st
   return directory
 
 
+def hf_cross_entropy(hf_dir: str, tokens: np.ndarray) -> float:
+  """transformers' loss with labels (its next-token cross-entropy) of the tokens (B, T), in float32."""
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+
+  model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+  with torch.no_grad():
+    ids = torch.from_numpy(np.asarray(tokens)).long()
+    return float(model(ids, labels=ids).loss)
+
+
+def step0_loss(model_yml: str, params_dir: str, tokens: np.ndarray) -> float:
+  """train_step's loss (without auxiliary terms) of a converted model on tokens (B, T): T - 1 inputs and their next
+  tokens, a mean over them."""
+  from MaxText.features import selection  # pylint: disable=import-outside-toplevel
+  from MaxText.hf_conversion import logit_check  # pylint: disable=import-outside-toplevel
+  from MaxText.training import train_step  # pylint: disable=import-outside-toplevel
+
+  length = tokens.shape[1] - 1
+  config, model, params = logit_check.converted_model(model_yml, params_dir, length, load_balance_loss_weight=0.0)
+  positions = np.broadcast_to(np.arange(length, dtype=np.int32), (tokens.shape[0], length))
+  ones = np.ones_like(positions)
+  batch = dict(
+    inputs=tokens[:, :-1],
+    targets=tokens[:, 1:],
+    inputs_position=positions,
+    inputs_segmentation=ones,
+    targets_segmentation=ones,
+  )
+  with jax.default_matmul_precision("float32"):
+    loss, aux = train_step.loss_fn(
+      model, config, selection.for_config(config), params, batch, jax.random.PRNGKey(0), train=True
+    )
+  return float(loss / aux.weights)
+
+
 # The SFT, DPO, LoRA and QLoRA tests' tiny llama (vocab 320: the chat tokenizer's), randomized its own way. Not
 # build_hf_model's "llama" (vocab 256, other random weights), which convert_checkpoint_test's figures rest on.
 HF_LLAMA = dict(

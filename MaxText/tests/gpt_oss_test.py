@@ -1,0 +1,163 @@
+"""GPT-OSS (decoder_block=gpt_oss) against transformers' GptOssForCausalLM: a tiny random model converted with
+to_maxtext gives its logits, its step-0 loss and its greedy generation; the conversion round-trips bitwise; MXFP4
+weights dequantize as transformers does."""
+
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.numpy import load_file, save_file
+
+from MaxText.hf_conversion import converter, logit_check, mxfp4
+from MaxText.inference import decoding
+from MaxText.runtime import mesh
+from MaxText.tests.tiny_models import HF_TINY, hf_cross_entropy, randomize_hf_weights, step0_loss
+
+torch.set_num_threads(1)
+
+WINDOW = 16  # logit_check's 64-token sequences cover 4 windows; layer 0 is a sliding one, layer 1 a full one
+HF_GPT_OSS = dict(
+  HF_TINY,
+  num_local_experts=4,
+  num_experts_per_tok=2,
+  sliding_window=WINDOW,
+  # YaRN as the released models' (not truncated): over head_dim 16 its ramp runs from dim 2.02 to 4.35, which
+  # truncation would round to 2 and 5.
+  rope_parameters={
+    "rope_type": "yarn",
+    "rope_theta": 150000.0,
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+  },
+)
+TOLERANCE = 1e-4
+
+
+def _hf_model(directory: str) -> str:
+  config = transformers.AutoConfig.for_model("gpt_oss", **HF_GPT_OSS)
+  model = transformers.AutoModelForCausalLM.from_config(config)
+  randomize_hf_weights(model, seed=11)
+  model.to(torch.float32).save_pretrained(directory)
+  return directory
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+  """(hf_dir, maxtext_dir) of the tiny model, converted once."""
+  root = tmp_path_factory.mktemp("gpt_oss")
+  hf_dir = _hf_model(str(root / "hf"))
+  converter.to_maxtext(hf_dir, str(root / "maxtext"))
+  return hf_dir, str(root / "maxtext")
+
+
+def _paths(maxtext_dir: str) -> tuple[str, str]:
+  return os.path.join(maxtext_dir, converter.MODEL_YML), os.path.join(maxtext_dir, converter.PARAMS_DIR)
+
+
+def test_logits_match_transformers_across_both_window_kinds(converted):
+  hf_dir, maxtext_dir = converted
+  tokens = logit_check.random_tokens(HF_TINY["vocab_size"])
+  assert tokens.shape[1] > 2 * WINDOW
+  max_abs, kl = logit_check.compare(
+    logit_check.hf_logits(hf_dir, tokens), logit_check.maxtext_logits(*_paths(maxtext_dir), tokens)
+  )
+  assert max_abs < TOLERANCE, f"max |logits diff| {max_abs:.3g} (KL {kl:.3g})"
+
+
+def test_round_trip_is_bitwise(converted, tmp_path):
+  hf_dir, maxtext_dir = converted
+  converter.to_hf(maxtext_dir, str(tmp_path / "hf"))
+  before, after = load_file(os.path.join(hf_dir, "model.safetensors")), load_file(str(tmp_path / "hf" / "model.safetensors"))
+  assert sorted(before) == sorted(after)
+  for name, value in before.items():
+    np.testing.assert_array_equal(after[name], value, err_msg=name)
+  with open(tmp_path / "hf" / "config.json", encoding="utf-8") as f:
+    written = transformers.GptOssConfig(**json.load(f))
+  assert written.layer_types == transformers.GptOssConfig(**HF_GPT_OSS).layer_types
+  assert written.rope_parameters["truncate"] is False and written.swiglu_limit == 7.0
+
+
+def _packed(shape, seed: int):
+  """Random MXFP4 blocks (..., G, 16) and scales (..., G) for a (..., G * 32) tensor, exponents around 2^0."""
+  rng = np.random.default_rng(seed)
+  *prefix, width = shape
+  blocks = rng.integers(0, 256, (*prefix, width // 32, 16), dtype=np.uint8)
+  scales = rng.integers(120, 130, (*prefix, width // 32), dtype=np.uint8)
+  return blocks, scales
+
+
+def test_mxfp4_dequantizes_as_transformers():
+  from transformers.integrations.mxfp4 import convert_moe_packed_tensors  # pylint: disable=import-outside-toplevel
+
+  blocks, scales = _packed((3, 10, 64), seed=0)
+  want = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales)).float().numpy()
+  got = mxfp4.dequantize(blocks, scales)
+  assert got.shape == want.shape == (3, 64, 10)
+  np.testing.assert_array_equal(got.astype(np.float32), want)
+
+
+def test_mxfp4_release_checkpoint_converts_dequantized(converted, tmp_path):
+  """The released layout (experts as *_blocks and *_scales, quantization_config mxfp4) converts to the experts that
+  transformers dequantizes."""
+  from transformers.integrations.mxfp4 import convert_moe_packed_tensors  # pylint: disable=import-outside-toplevel
+
+  hf_dir, _ = converted
+  quantized = tmp_path / "hf"
+  shutil.copytree(hf_dir, quantized)
+  tensors = load_file(os.path.join(hf_dir, "model.safetensors"))
+  expected = {}
+  for i, name in enumerate(n for n in sorted(tensors) if n.endswith(("gate_up_proj", "down_proj"))):
+    experts, rows, cols = tensors.pop(name).shape  # (E, in, out), stored as (E, out, in / 32, 16)
+    blocks, scales = _packed((experts, cols, rows), seed=i)
+    tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+    expected[name] = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales)).float().numpy()
+  save_file(tensors, str(quantized / "model.safetensors"))
+  with open(quantized / "config.json", encoding="utf-8") as f:
+    hf_cfg = json.load(f)
+  with open(quantized / "config.json", "w", encoding="utf-8") as f:
+    json.dump(dict(hf_cfg, quantization_config={"quant_method": "mxfp4"}), f)
+  converter.to_maxtext(str(quantized), str(tmp_path / "maxtext"))
+  converter.to_hf(str(tmp_path / "maxtext"), str(tmp_path / "back"))
+  back = load_file(str(tmp_path / "back" / "model.safetensors"))
+  for name, value in expected.items():
+    np.testing.assert_array_equal(back[name].astype(np.float32), value, err_msg=name)
+
+
+def test_step0_training_loss_is_transformers_cross_entropy(converted):
+  hf_dir, maxtext_dir = converted
+  tokens = logit_check.random_tokens(HF_TINY["vocab_size"])
+  assert step0_loss(*_paths(maxtext_dir), tokens) == pytest.approx(hf_cross_entropy(hf_dir, tokens), rel=1e-4)
+
+
+def test_greedy_decoding_with_the_cache_equals_transformers_generate(converted):
+  """A 6-token prompt and 34 generated tokens: the cache runs past the sliding window (16) of layer 0."""
+  hf_dir, maxtext_dir = converted
+  model_yml, params_dir = _paths(maxtext_dir)
+  prompt = [1, 5, 9, 200, 7, 31]
+  config = converter.maxtext_config(
+    model_yml,
+    load_parameters_path=params_dir,
+    dtype="float32",
+    weight_dtype="float32",
+    max_target_length=40,
+    max_prefill_predict_length=6,
+    per_device_batch_size=1,
+    decode_sampling_strategy="greedy",
+  )
+  device_mesh = mesh.create_device_mesh(config)
+  model, abstract = decoding.build(config, device_mesh)
+  params = decoding.load_params(config, model, abstract, device_mesh)
+  with jax.default_matmul_precision("float32"):
+    ours = decoding.generate(config, model, params, device_mesh, prompt).tokens[0]
+  reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+  with torch.no_grad():
+    out = reference.generate(torch.tensor([prompt]), max_new_tokens=len(ours), do_sample=False, pad_token_id=0)
+  np.testing.assert_array_equal(ours, out[0, len(prompt) :].numpy())
