@@ -5,6 +5,7 @@ weights dequantize as transformers does."""
 import json
 import os
 import shutil
+import types
 
 import jax
 import numpy as np
@@ -13,10 +14,12 @@ import torch
 import transformers
 from safetensors.numpy import load_file, save_file
 
-from MaxText.hf_conversion import converter, logit_check, mxfp4
+from MaxText.errors import UserError
+from MaxText.hf_conversion import converter, gpt_oss, logit_check, mxfp4, peft
 from MaxText.inference import decoding
 from MaxText.runtime import mesh
-from MaxText.tests.tiny_models import HF_TINY, hf_cross_entropy, randomize_hf_weights, step0_loss
+from MaxText.tests.helpers import lora_run
+from MaxText.tests.tiny_models import HF_TINY, exports_give_our_logits, hf_cross_entropy, randomize_hf_weights, step0_loss
 
 torch.set_num_threads(1)
 
@@ -161,3 +164,28 @@ def test_greedy_decoding_with_the_cache_equals_transformers_generate(converted):
   with torch.no_grad():
     out = reference.generate(torch.tensor([prompt]), max_new_tokens=len(ours), do_sample=False, pad_token_id=0)
   np.testing.assert_array_equal(ours, out[0, len(prompt) :].numpy())
+
+
+@pytest.mark.slow
+def test_lora_attention_adapters_export_to_peft_with_our_logits(tmp_path):
+  """3 LoRA steps (train.py) on the attention's projections; PEFT 0.21's PeftModel on the HF base and the merged
+  export give our logits (about 25 s)."""
+  hf_dir = _hf_model(str(tmp_path / "hf"))
+  lora = ["enable_lora=true", "lora_rank=4", "lora_alpha=8", "lora_module_path=^decoder/layers/self_attention/"]
+  model_yml, base_params, run_dir, _ = lora_run(tmp_path, hf_dir, *lora, "per_device_batch_size=1", "max_target_length=16")
+  tokens = logit_check.random_tokens(HF_TINY["vocab_size"], length=24)  # longer than the sliding window (16)
+  exports_give_our_logits(tmp_path, run_dir, hf_dir, base_params, model_yml, tokens, label="gpt_oss ")
+
+
+@pytest.mark.parametrize("module", ["MoeBlock_0/wi_0", "MoeBlock_0/gate"])
+def test_an_expert_or_router_adapter_is_refused_in_one_line(tmp_path, module):
+  """PEFT adapts nn.Linear modules; GPT-OSS's experts are fused 3-D parameters and its router's adapter is not
+  PEFT's to hold: their export is one error line, before anything is written."""
+  config = types.SimpleNamespace(decoder_block="gpt_oss", num_decoder_layers=2, param_scan_axis=1, lora_rank=4, lora_alpha=8)
+  keys = ("decoder", "layers", *module.split("/"))
+  with pytest.raises(UserError) as error:
+    peft.write_peft(config, gpt_oss.FAMILY, {keys + ("lora_a",): None, keys + ("lora_b",): None}, str(tmp_path / "peft"))
+  assert str(error.value) == (
+    f"LoRA export: decoder/layers/{module} has no single HF nn.Linear in the gpt_oss table (PEFT cannot hold it)"
+  )
+  assert not (tmp_path / "peft").exists()
