@@ -189,3 +189,38 @@ def test_an_expert_or_router_adapter_is_refused_in_one_line(tmp_path, module):
     f"LoRA export: decoder/layers/{module} has no single HF nn.Linear in the gpt_oss table (PEFT cannot hold it)"
   )
   assert not (tmp_path / "peft").exists()
+
+
+def _transformers_counts(layers: int, experts: int) -> tuple[int, int]:
+  """(total, active) parameters of transformers' GptOssForCausalLM with the released dims, built on the meta device:
+  active is the total less the experts a token does not run and the input embedding (a lookup)."""
+  config = transformers.GptOssConfig(num_hidden_layers=layers, num_local_experts=experts)
+  with torch.device("meta"):
+    model = transformers.AutoModelForCausalLM.from_config(config)
+  total = sum(p.numel() for p in model.parameters())
+  in_experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+  unused_experts = in_experts * (experts - config.num_experts_per_tok) // experts
+  return total, total - unused_experts - config.vocab_size * config.hidden_size
+
+
+@pytest.mark.parametrize(
+  "preset, layers, experts, active", [("gpt-oss-20b", 24, 32, 3.6e9), ("gpt-oss-120b", 36, 128, 5.1e9)]
+)
+def test_preset_counts_equal_transformers(preset, layers, experts, active):
+  """The preset's params (jax.eval_shape) number transformers' total; the FLOPs count's active weights (training's
+  6 FLOPs per weight and token: attention, 4 experts, router, logits) its active ones, the model card's 3.6B and 5.1B
+  (the norms, biases and sinks, 0.02%, are no matmul)."""
+  from MaxText import pyconfig  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.helpers import BASE_YML  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.presets_test import _param_count  # pylint: disable=import-outside-toplevel
+  from MaxText.training import flops  # pylint: disable=import-outside-toplevel
+
+  total, hf_active = _transformers_counts(layers, experts)
+  assert _param_count(preset) == pytest.approx(total, rel=1e-3)
+  config = pyconfig.initialize(
+    ["test", BASE_YML, "run_name=test", f"model_name={preset}", "per_device_batch_size=1", "max_target_length=2048"],
+    environ={},
+  )
+  ours = flops.training_tflops_per_device(config).learnable_tflops * 1e12 / (6 * 2048)
+  assert ours == pytest.approx(hf_active, rel=1e-3)
+  assert ours == pytest.approx(active, rel=0.01)
