@@ -18,7 +18,7 @@ from MaxText.errors import UserError
 from MaxText.hf_conversion import converter, gpt_oss, logit_check, mxfp4, peft
 from MaxText.inference import decoding
 from MaxText.runtime import mesh
-from MaxText.tests.helpers import lora_run
+from MaxText.tests.helpers import lora_run, run_python, tiny_args
 from MaxText.tests.tiny_models import HF_TINY, exports_give_our_logits, hf_cross_entropy, randomize_hf_weights, step0_loss
 
 torch.set_num_threads(1)
@@ -72,6 +72,7 @@ def test_logits_match_transformers_across_both_window_kinds(converted):
   max_abs, kl = logit_check.compare(
     logit_check.hf_logits(hf_dir, tokens), logit_check.maxtext_logits(*_paths(maxtext_dir), tokens)
   )
+  print(f"\ngpt_oss logits vs transformers: max abs diff {max_abs:.2g}, KL {kl:.2g}")
   assert max_abs < TOLERANCE, f"max |logits diff| {max_abs:.3g} (KL {kl:.3g})"
 
 
@@ -224,3 +225,48 @@ def test_preset_counts_equal_transformers(preset, layers, experts, active):
   ours = flops.training_tflops_per_device(config).learnable_tflops * 1e12 / (6 * 2048)
   assert ours == pytest.approx(hf_active, rel=1e-3)
   assert ours == pytest.approx(active, rel=0.01)
+
+
+# A tiny GPT-OSS: every option of the family on the tiny model's dims (4 experts, window 8 of 32 tokens).
+TINY_GPT_OSS = [
+  "decoder_block=gpt_oss",
+  "num_experts=4",
+  "num_experts_per_tok=2",
+  "sliding_window_size=8",
+  "attention_sink=true",
+  "mlp_bias=true",
+  "routed_bias=true",
+  "mlp_activations_limit=7.0",
+  "rope_type=yarn",
+  "rope_factor=4",
+  "original_max_position_embeddings=16",
+]
+
+# name -> parallelism of the 8-device layouts that train as the 1-device run: fsdp 2 x expert 4, the tokens going to
+# their experts' devices (all_to_all: the experts' biases split over `expert` in the shard_map as their kernels).
+LAYOUTS = {"fsdp_expert": ["ici_expert_parallelism=4", "ici_fsdp_parallelism=2", "moe_dispatch=all_to_all"]}
+
+
+@pytest.mark.slow
+def test_eight_device_layouts_train_as_one_device(tmp_path):
+  """3 steps at learning_rate 1e-2 of the tiny GPT-OSS (every bias and the sinks trained): each 8-device layout's
+  losses equal the 1-device run's (relative 1e-5). One child process runs both (sharded_runs.py; about 45 s)."""
+
+  def run(name, devices, *args):
+    per_device = "per_device_batch_size=8" if devices == 1 else "per_device_batch_size=1"
+    common = [f"base_output_directory={tmp_path}", f"run_name={name}", per_device, "steps=3", "learning_rate=1e-2"]
+    common += ["enable_checkpointing=false", f"metrics_file={tmp_path / name}.jsonl", "attention=dot_product"]
+    return {"name": name, "devices": devices, "args": tiny_args(*common, *TINY_GPT_OSS, *args), "decode": False}
+
+  runs_path, report_path = tmp_path / "runs.json", tmp_path / "report.json"
+  runs_path.write_text(json.dumps([run("one", 1), *(run(name, 8, *args) for name, args in LAYOUTS.items())]))
+  env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0", "JAX_PLATFORMS": "cpu"}
+  result = run_python(["-m", "MaxText.tests.sharded_runs", str(runs_path), str(report_path)], env_extra=env)
+  assert result.returncode == 0, result.stderr[-5000:]
+  report = json.loads(report_path.read_text())
+  one = report["one"]["metrics"]
+  assert one["learning/loss"][-1] < one["learning/loss"][0]
+  for name in LAYOUTS:
+    for key in ("learning/loss", "learning/moe_lb_loss"):
+      np.testing.assert_allclose(report[name]["metrics"][key], one[key], rtol=1e-5, err_msg=f"{name} {key}")
+  print({name: report[name]["metrics"]["learning/loss"] for name in ("one", *LAYOUTS)})
