@@ -8,6 +8,7 @@ import shutil
 import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -42,6 +43,21 @@ HF_GPT_OSS = dict(
   },
 )
 TOLERANCE = 1e-4
+
+# A tiny GPT-OSS: every option of the family on the tiny model's dims (4 experts, window 8 of 32 tokens).
+TINY_GPT_OSS = [
+  "decoder_block=gpt_oss",
+  "num_experts=4",
+  "num_experts_per_tok=2",
+  "sliding_window_size=8",
+  "attention_sink=true",
+  "mlp_bias=true",
+  "routed_bias=true",
+  "mlp_activations_limit=7.0",
+  "rope_type=yarn",
+  "rope_factor=4",
+  "original_max_position_embeddings=16",
+]
 
 
 def _hf_model(directory: str) -> str:
@@ -227,21 +243,6 @@ def test_preset_counts_equal_transformers(preset, layers, experts, active):
   assert ours == pytest.approx(active, rel=0.01)
 
 
-# A tiny GPT-OSS: every option of the family on the tiny model's dims (4 experts, window 8 of 32 tokens).
-TINY_GPT_OSS = [
-  "decoder_block=gpt_oss",
-  "num_experts=4",
-  "num_experts_per_tok=2",
-  "sliding_window_size=8",
-  "attention_sink=true",
-  "mlp_bias=true",
-  "routed_bias=true",
-  "mlp_activations_limit=7.0",
-  "rope_type=yarn",
-  "rope_factor=4",
-  "original_max_position_embeddings=16",
-]
-
 # name -> parallelism of the 8-device layouts that train as the 1-device run: fsdp 2 x expert 4, the tokens going to
 # their experts' devices (all_to_all: the experts' biases split over `expert` in the shard_map as their kernels).
 LAYOUTS = {"fsdp_expert": ["ici_expert_parallelism=4", "ici_fsdp_parallelism=2", "moe_dispatch=all_to_all"]}
@@ -270,3 +271,53 @@ def test_eight_device_layouts_train_as_one_device(tmp_path):
     for key in ("learning/loss", "learning/moe_lb_loss"):
       np.testing.assert_allclose(report[name]["metrics"][key], one[key], rtol=1e-5, err_msg=f"{name} {key}")
   print({name: report[name]["metrics"]["learning/loss"] for name in ("one", *LAYOUTS)})
+
+
+def test_flash_carries_the_sinks_as_dot_product_does():
+  """The splash kernel (Pallas interpreter) with sinks and a sliding window gives dot_product's output (the forward:
+  the interpreted backward takes 10 s more; gpt-oss-20b's AOT compile for v5p-8 builds the real one)."""
+  from MaxText.layers.attentions import dot_product_attention  # pylint: disable=import-outside-toplevel
+  from MaxText.layers.flash_attention import flash_attention  # pylint: disable=import-outside-toplevel
+
+  ks = jax.random.split(jax.random.PRNGKey(0), 4)
+  q, k, v = (jax.random.normal(key, (1, 128, n, 64)) / s for key, n, s in zip(ks, (4, 2, 2), (8, 1, 1)))
+  sinks, seg = jax.random.normal(ks[3], (4,)), jnp.ones((1, 128), jnp.int32)
+  flash = flash_attention(q, k, v, seg, sliding_window=40, interpret=True, sinks=sinks)
+  dot = dot_product_attention(q, k, v, seg, sliding_window=40, sinks=sinks)
+  np.testing.assert_allclose(flash, dot, atol=2e-6)
+  assert np.max(np.abs(dot - dot_product_attention(q, k, v, seg, sliding_window=40))) > 1e-2  # the sinks matter
+
+
+def test_kernels_without_sinks_refuse_them_in_one_line():
+  """cuDNN's kernels and ring attention cannot carry the sinks: one ConfigError line each; autoselected takes
+  dot_product on GPU."""
+  from MaxText.configuration import attention_selection  # pylint: disable=import-outside-toplevel
+  from MaxText.errors import ConfigError  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.attention_selection_test import _values  # pylint: disable=import-outside-toplevel
+
+  values = _values(attention_sink=True)
+  assert attention_selection.select(values, "gpu") == "dot_product"
+  with pytest.raises(ConfigError) as error:
+    attention_selection.select({**values, "attention": "cudnn_flash_jax"}, "gpu")
+  assert str(error.value) == (
+    "attention=cudnn_flash_jax cannot run with attention_sink=true (the cuDNN kernels here take no sinks; dot_product "
+    "and flash do); use attention=dot_product"
+  )
+  ring = {"max_target_length": 1024, "context_parallel_load_balance": True, "context_parallel_strategy": "ring"}
+  ring.update(num_query_heads=4, num_kv_heads=4, logical_axis_rules=[])
+  with pytest.raises(ConfigError, match="^context_parallel_strategy=ring cannot carry attention_sink=true"):
+    attention_selection.check_length_sharding({**ring, "attention": "dot_product", "attention_sink": True}, {"context": 4})
+
+
+def test_routed_bias_is_trained_for_gpt_oss_and_moved_for_deepseek():
+  """routed_bias=true: GPT-OSS's router bias is an ordinary trained param (no routing_bias feature holds it out of the
+  optimizer), DeepSeek's the selection bias that the feature moves towards equal loads."""
+  from MaxText.features import selection  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.helpers import tiny_config  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.tiny_models import DEEPSEEK  # pylint: disable=import-outside-toplevel
+
+  def features(*args):
+    return [feature.name for feature in selection.for_config(tiny_config(*args, "routed_bias=true"))]
+
+  assert "routing_bias" not in features(*TINY_GPT_OSS)
+  assert "routing_bias" in features(*DEEPSEEK)
