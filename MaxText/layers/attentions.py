@@ -210,7 +210,7 @@ class Attention(nn.Module):
 
   def _attend(self, query, key, value, segment_ids, sinks, is_local: bool):
     """The attention kernel over the whole (training or eval) sequence; sinks: None or (Nq,) (the kernels that take
-    them: config_validation refuses attention_sink with the others)."""
+    them: attention_selection refuses attention_sink with the others)."""
     kernels = {
       "dot_product": functools.partial(dot_product_attention, layout=self.layout),
       "flash": functools.partial(flash_attention, layout=self.layout),
