@@ -321,3 +321,19 @@ def test_routed_bias_is_trained_for_gpt_oss_and_moved_for_deepseek():
 
   assert "routing_bias" not in features(*TINY_GPT_OSS)
   assert "routing_bias" in features(*DEEPSEEK)
+
+
+def test_yarn_frequencies_and_attention_factor_match_transformers():
+  """The released models' YaRN (head_dim 64, factor 32 over 4096 positions, not truncated): standard attention's
+  frequencies and cos/sin factor are transformers' (its ramp from dim 8.09 to 17.40; truncated would be 8 to 18)."""
+  from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # pylint: disable=import-outside-toplevel
+
+  from MaxText.layers import embeddings  # pylint: disable=import-outside-toplevel
+  from MaxText.layers.yarn import YarnRopeScaling  # pylint: disable=import-outside-toplevel
+
+  inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](transformers.GptOssConfig())
+  for truncate, same in ((False, True), (True, False)):
+    scaling = YarnRopeScaling(32.0, 4096, 32.0, 1.0, truncate=truncate)
+    ours = embeddings.rope_inverse_frequencies(64, 1, 150000, scaling)
+    assert np.allclose(ours, inv_freq.numpy(), rtol=1e-6, atol=0) == same
+  assert scaling.attention_factor == pytest.approx(attention_factor, rel=1e-12)
