@@ -186,8 +186,9 @@ def grouped(x, weights, experts, wi, wo, activations, dispatch: str, matmul: Gro
     functools.partial(local, psum_axes=mlp_axes),
     in_specs=(tokens, tokens, tokens, [(w_in, bias_in) if isinstance(w, tuple) else w_in for w in wi], w_out),
     out_specs=tokens,
-    # A pallas_call's outputs carry no varying-axes type, which check_vma requires.
-    check_vma=matmul.kernel != "megablox",
+    # A pallas_call's outputs carry no varying-axes type, which check_vma requires; nor, under the pipeline's vmap over
+    # stage, does the biases' row lookup (_row_bias: its searchsorted compares values varying over other axes).
+    check_vma=matmul.kernel != "megablox" and not any(isinstance(w, tuple) for w in wi),
   )
   return fn(x, weights, experts, list(wi), wo)
 

@@ -244,14 +244,19 @@ def test_preset_counts_equal_transformers(preset, layers, experts, active):
 
 
 # name -> parallelism of the 8-device layouts that train as the 1-device run: fsdp 2 x expert 4, the tokens going to
-# their experts' devices (all_to_all: the experts' biases split over `expert` in the shard_map as their kernels).
-LAYOUTS = {"fsdp_expert": ["ici_expert_parallelism=4", "ici_fsdp_parallelism=2", "moe_dispatch=all_to_all"]}
+# their experts' devices (all_to_all: the experts' biases split over `expert` in the shard_map as their kernels), and
+# the pipeline (its vmap over stage around the experts' shard_map). Context 4 x fsdp 2 and tensor 2 x fsdp 4 do too
+# (run by hand).
+LAYOUTS = {
+  "fsdp_expert": ["ici_expert_parallelism=4", "ici_fsdp_parallelism=2", "moe_dispatch=all_to_all"],
+  "pipeline": ["ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4"],
+}
 
 
 @pytest.mark.slow
 def test_eight_device_layouts_train_as_one_device(tmp_path):
   """3 steps at learning_rate 1e-2 of the tiny GPT-OSS (every bias and the sinks trained): each 8-device layout's
-  losses equal the 1-device run's (relative 1e-5). One child process runs both (sharded_runs.py; about 45 s)."""
+  losses equal the 1-device run's (relative 1e-5). One child process runs them all (sharded_runs.py; about 30 s)."""
 
   def run(name, devices, *args):
     per_device = "per_device_batch_size=8" if devices == 1 else "per_device_batch_size=1"
