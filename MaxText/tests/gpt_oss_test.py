@@ -342,3 +342,22 @@ def test_yarn_frequencies_and_attention_factor_match_transformers():
     ours = embeddings.rope_inverse_frequencies(64, 1, 150000, scaling)
     assert np.allclose(ours, inv_freq.numpy(), rtol=1e-6, atol=0) == same
   assert scaling.attention_factor == pytest.approx(attention_factor, rel=1e-12)
+
+
+def test_balance_loss_is_transformers_aux_loss(converted):
+  """The routers' load-balancing loss (what load_balance_loss_weight weighs; config.json's router_aux_loss_coef) is
+  transformers' aux_loss on the same tokens."""
+  from MaxText.layers import moe  # pylint: disable=import-outside-toplevel
+
+  hf_dir, maxtext_dir = converted
+  tokens = logit_check.random_tokens(HF_TINY["vocab_size"])
+  reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+  with torch.no_grad():
+    expected = float(reference(torch.from_numpy(np.asarray(tokens)).long(), output_router_logits=True).aux_loss)
+  config, model, params = logit_check.converted_model(*_paths(maxtext_dir), tokens.shape[1])
+  positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
+  with jax.default_matmul_precision("float32"):
+    _, state = model.apply({"params": params}, tokens, positions, mutable=["intermediates"])
+  ours = float(moe.load_balancing_loss(state["intermediates"], config.num_experts))
+  assert ours == pytest.approx(expected, rel=1e-5)
+  assert config.load_balance_loss_weight == reference.config.router_aux_loss_coef
