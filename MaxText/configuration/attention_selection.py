@@ -30,6 +30,8 @@ def _cudnn_obstacle(values) -> str:
     return "decoder_block=deepseek (its multi-head latent attention runs dot_product or flash)"
   if values.get("decoder_block") == "llama4" and values.get("chunk_attn_window_size"):
     return f"chunk_attn_window_size={values['chunk_attn_window_size']} (cuDNN cannot express Llama 4's chunked mask)"
+  if values.get("attention_sink"):
+    return "attention_sink=true (the cuDNN kernels here take no sinks; dot_product and flash do)"
   if values["attn_logits_soft_cap"]:
     return f"attn_logits_soft_cap={values['attn_logits_soft_cap']} (cuDNN has no logits soft cap)"
   head_dim = values["head_dim"]
@@ -129,6 +131,11 @@ def check_length_sharding(values, mesh_shape: dict) -> None:
     )
   kernel = values["attention"]
   if context > 1 and values["context_parallel_strategy"] == "ring":
+    if values.get("attention_sink"):
+      raise ConfigError(
+        "context_parallel_strategy=ring cannot carry attention_sink=true (its blockwise softmax has no sinks): use "
+        "context_parallel_strategy=all_gather"
+      )
     if kernel != "dot_product":
       raise ConfigError(
         f"context_parallel_strategy=ring runs with attention=dot_product, not attention={kernel}: use dot_product, or "

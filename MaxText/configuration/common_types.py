@@ -16,6 +16,7 @@ DECODER_BLOCKS = (
   "qwen3_moe",
   "deepseek",
   "llama4",
+  "gpt_oss",
 )
 # Decoder layers in one block of the stack, where not 1 (Gemma 2 stacks (local, global) pairs): the one place that
 # says it, read by the config checks (before JAX starts), the decoder stack and the quantization recipes.

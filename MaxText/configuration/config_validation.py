@@ -95,9 +95,9 @@ def _check_layer_options(v):
 
 def _check_deepseek(v):
   """DeepSeek-V3's routing groups and dense layers fit; what its latent attention does not do is refused by name."""
-  if v["rope_type"] == "yarn" and v["decoder_block"] != "deepseek":
+  if v["rope_type"] == "yarn" and v["decoder_block"] not in ("deepseek", "gpt_oss"):
     raise ConfigError(
-      f"rope_type=yarn is for multi-head latent attention (decoder_block=deepseek), not {v['decoder_block']}"
+      f"rope_type=yarn is for multi-head latent attention (decoder_block=deepseek) and gpt_oss, not {v['decoder_block']}"
     )
   if v["decoder_block"] != "deepseek":
     return

@@ -4,7 +4,19 @@ Entry point: MaxText/convert_checkpoint.py.
 """
 
 from MaxText.errors import UserError
-from MaxText.hf_conversion import deepseek, gemma, gemma2, gemma3, gemma3_vision, llama, llama4, mistral, mixtral, qwen3
+from MaxText.hf_conversion import (
+  deepseek,
+  gemma,
+  gemma2,
+  gemma3,
+  gemma3_vision,
+  gpt_oss,
+  llama,
+  llama4,
+  mistral,
+  mixtral,
+  qwen3,
+)
 
 FAMILIES = (
   llama.FAMILY,
@@ -18,6 +30,7 @@ FAMILIES = (
   qwen3.MOE_FAMILY,
   deepseek.FAMILY,
   llama4.FAMILY,
+  gpt_oss.FAMILY,
 )
 
 

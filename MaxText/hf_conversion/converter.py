@@ -14,6 +14,7 @@ from MaxText.hf_conversion import (
   family_for_hf_config,
   hf_io,
   maxtext_io,
+  mxfp4,
   peft,
   plan,
   tables,
@@ -111,7 +112,7 @@ def to_maxtext(hf_path: str, output_dir: str, peft_adapter: str = "") -> str:
   checkpoint = hf_io.HFCheckpoint(hf_path)
   if family.hf_tensor_name is not None:
     checkpoint.rename(family.hf_tensor_name(hf_cfg))
-  _dequantize(hf_cfg, checkpoint, where)
+  checkpoint = _dequantize(hf_cfg, checkpoint, where)
   if family.checkpoint_keys is not None:
     keys = family.checkpoint_keys(keys, checkpoint.names())
   if peft_adapter:
@@ -145,20 +146,25 @@ def to_maxtext(hf_path: str, output_dir: str, peft_adapter: str = "") -> str:
   return model_yml
 
 
-def _dequantize(hf_cfg: dict, checkpoint, where: str) -> None:
-  """Block-scaled FP8 weights (DeepSeek-V3's quantization_config) are read as bfloat16; other quantized checkpoints
-  are refused in one line."""
+def _dequantize(hf_cfg: dict, checkpoint, where: str):
+  """The checkpoint, its block-scaled FP8 weights (DeepSeek-V3's quantization_config) or MXFP4 ones (GPT-OSS's) read
+  as bfloat16; other quantized checkpoints are refused in one line."""
   quantization = hf_cfg.get("quantization_config") or (hf_cfg.get("text_config") or {}).get("quantization_config")
   if not quantization:
-    return
+    return checkpoint
   method, block = quantization.get("quant_method"), quantization.get("weight_block_size")
+  if method == "mxfp4":
+    checkpoint = mxfp4.Mxfp4Checkpoint(checkpoint)
+    max_logging.log(f"Reading {checkpoint.count} MXFP4 tensors (blocks and scales) as bfloat16")
+    return checkpoint
   if method != "fp8" or not block or len(block) != 2:
     raise UserError(
-      f"{where}: quantization_config {method} is not supported; convert an unquantized (bfloat16) copy, or FP8 with "
-      "weight_block_size (DeepSeek-V3's)"
+      f"{where}: quantization_config {method} is not supported; convert an unquantized (bfloat16) copy, FP8 with "
+      "weight_block_size (DeepSeek-V3's) or mxfp4 (GPT-OSS's)"
     )
   count = checkpoint.dequantize_fp8(tuple(block))
   max_logging.log(f"Reading {count} FP8 tensors with {block[0]}x{block[1]} block scales as bfloat16")
+  return checkpoint
 
 
 def _check_hf_tensors(checkpoint, tensors, family, hf_path: str) -> None:
@@ -261,7 +267,7 @@ def to_hf(maxtext_dir: str, output_dir: str, merge_lora: bool = False) -> str:
   arrays = plan.plan(
     family, {k: tuple(s.shape) for k, s in stores.items()}, config.param_scan_axis, config.logits_via_embedding, params_dir
   )
-  by_name = {}  # an HF tensor's name -> its pieces (op, array, slice): two where a table splits it (tables.HALVES)
+  by_name = {}  # an HF tensor's name -> its pieces (op, array, slice): two where a table splits it (tables.PAIRED)
   tensors = []
   for name, shape, op, array, s in plan.hf_tensors(arrays):
     if name not in by_name:
@@ -298,6 +304,7 @@ def _write_hf_config(family, config, source_dir: str, output_dir: str, dtypes: s
     with open(source, encoding="utf-8") as f:
       hf_cfg = json.load(f)
     hf_cfg.pop("rope_parameters", None)  # written again below, in the form both transformers 4 and 5 read
+    hf_cfg.pop("quantization_config", None)  # the weights written are never quantized
   written = family.config_to_hf(config)
   if hf_cfg.get("model_type") != written["model_type"] and isinstance(hf_cfg.get("text_config"), dict):
     hf_cfg = dict(hf_cfg["text_config"])  # a multimodal source (its text model converted): the text model's keys

@@ -16,6 +16,7 @@ _SAFETENSORS_DTYPES = {
   "BF16": "bfloat16",
   "F64": "float64",
   "F8_E4M3": "float8_e4m3fn",  # DeepSeek-V3's weights, with block scales (HFCheckpoint.dequantize_fp8)
+  "U8": "uint8",  # GPT-OSS's MXFP4 blocks and scales (mxfp4.py)
 }
 _SCALE_SUFFIX = "_scale_inv"
 _MAX_SHARD_BYTES = 4 * 2**30  # shards of at most 4 GiB, as transformers' save_pretrained does (5 GB)

@@ -15,11 +15,15 @@ from MaxText.configuration import common_types
 #   transpose  MLP and router kernels, logits                 (out, in) -> (in, out)
 #   heads_in   query/key/value projections                    (N*D, E) -> (E, N, D)
 #   heads_out  attention output projection                    (E, N*D) -> (N, D, E)
+#   heads_bias query/key/value biases                         (N*D,) -> (N, D)
 #   first_half, second_half   one of two params fused on the HF tensor's last axis (Llama 4's experts' gate_up_proj)
-#                                                              (..., 2M) -> (..., M)
+#   even, odd  one of two params interleaved on the HF tensor's last axis (GPT-OSS's gate_up_proj: gate, up, gate, ...)
+#                                                             (..., 2M) -> (..., M); to_hf joins the two again
 #   patches    a patch embedding's conv kernel                (out, C, p, p) -> (C, p, p, out)
-OPS = ("identity", "transpose", "heads_in", "heads_out", "first_half", "second_half", "patches")
+OPS = ("identity", "transpose", "heads_in", "heads_out", "heads_bias", "first_half", "second_half", "even", "odd", "patches")
 HALVES = ("first_half", "second_half")
+INTERLEAVED = ("even", "odd")
+PAIRED = HALVES + INTERLEAVED  # the ops of which two slices make one HF tensor (join_to_hf)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,21 +64,35 @@ def to_maxtext(x: np.ndarray, op: str, shape: tuple) -> np.ndarray:
     return x.T
   if op == "patches":
     return x.transpose(1, 2, 3, 0)
+  if op in INTERLEAVED:
+    return x[..., INTERLEAVED.index(op) :: 2]
+  if op == "heads_bias":
+    return x.reshape(shape)
   return x.T.reshape(shape)  # heads_in (N*D, E) -> (E, N, D); heads_out (E, N*D) -> (N, D, E)
 
 
 def join_to_hf(pieces: list[tuple[str, np.ndarray]]) -> np.ndarray:
-  """One HF tensor from its (op, MaxText slice) pieces: one piece (to_hf), or the two HALVES joined."""
+  """One HF tensor from its (op, MaxText slice) pieces: one piece (to_hf), or two PAIRED ones joined (HALVES
+  concatenated, INTERLEAVED alternating)."""
   if len(pieces) == 1:
     return to_hf(pieces[0][1], pieces[0][0])
-  halves = dict(pieces)
-  return np.concatenate([halves["first_half"], halves["second_half"]], axis=-1)
+  parts = dict(pieces)
+  if sorted(parts) == sorted(HALVES) and len(pieces) == 2:
+    return np.concatenate([parts["first_half"], parts["second_half"]], axis=-1)
+  if sorted(parts) != sorted(INTERLEAVED) or len(pieces) != 2:
+    raise ValueError(f"cannot make one tensor of slices with ops {[op for op, _ in pieces]}")
+  even = parts["even"]
+  out = np.empty((*even.shape[:-1], 2 * even.shape[-1]), even.dtype)
+  out[..., 0::2], out[..., 1::2] = even, parts["odd"]
+  return out
 
 
 def to_hf(x: np.ndarray, op: str) -> np.ndarray:
-  """The inverse of to_maxtext (of one piece)."""
-  if op == "identity":
+  """The inverse of to_maxtext (of one piece; a PAIRED op's piece as it is: see join_to_hf)."""
+  if op in ("identity", *PAIRED):
     return x
+  if op == "heads_bias":
+    return x.reshape(-1)
   if op == "transpose":
     return x.T
   if op == "patches":
@@ -88,8 +106,10 @@ def hf_shape(maxtext_shape: tuple, op: str) -> tuple:
   """The HF tensor shape that to_maxtext turns into `maxtext_shape` (one layer, one expert)."""
   if op == "identity":
     return tuple(maxtext_shape)
-  if op in HALVES:
+  if op in PAIRED:
     return (*maxtext_shape[:-1], 2 * maxtext_shape[-1])
+  if op == "heads_bias":
+    return (int(np.prod(maxtext_shape)),)
   if op == "transpose":
     return tuple(reversed(maxtext_shape))
   if op == "patches":

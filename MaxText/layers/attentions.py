@@ -11,7 +11,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.layers import context_parallel, initializers, kv_cache
 from MaxText.layers.attention_masks import MASK_VALUE, attention_mask, cache_mask, soft_cap
-from MaxText.layers.embeddings import LinearRopeScaling, Llama3RopeScaling, apply_rotary_embedding
+from MaxText.layers.embeddings import RopeScaling, apply_rotary_embedding
 from MaxText.layers.flash_attention import flash_attention
 from MaxText.layers.gpu_attention import cudnn_attention, transformer_engine_attention
 from MaxText.layers.linears import DenseGeneral, Gemm
@@ -29,6 +29,7 @@ def dot_product_attention(
   float32_logits: bool = True,
   layout: context_parallel.ContextParallel = context_parallel.NONE,
   chunk: int = 0,
+  sinks=None,
 ):
   """softmax(soft_cap(q k^T) + mask) v with grouped-query heads; the softmax scale is already in the query.
 
@@ -40,6 +41,7 @@ def dot_product_attention(
     chunk: > 0 limits each query to the keys of its chunk of that many tokens (Llama 4).
     layout: the sequence's layout (context_parallel): its token order, and under context parallelism every key
       and value is gathered for the local queries (all_gather).
+    sinks: None, or (Nq,) attention sinks (masked_attention).
   Returns:
     (B, T, Nq, D)
   """
@@ -48,16 +50,20 @@ def dot_product_attention(
     key, value = nn.with_logical_constraint(key, gathered), nn.with_logical_constraint(value, gathered)
   order = layout.token_order(query.shape[1]) if layout.load_balance else None
   mask = attention_mask(segment_ids, sliding_window, order, chunk)
-  return masked_attention(query, key, value, mask, logits_soft_cap=logits_soft_cap, float32_logits=float32_logits)
+  return masked_attention(
+    query, key, value, mask, logits_soft_cap=logits_soft_cap, float32_logits=float32_logits, sinks=sinks
+  )
 
 
-def masked_attention(query, key, value, mask, logits_soft_cap: float = 0.0, float32_logits: bool = True):
+def masked_attention(query, key, value, mask, logits_soft_cap: float = 0.0, float32_logits: bool = True, sinks=None):
   """softmax(soft_cap(q k^T), masked) v with grouped-query heads.
 
   Args:
     query: (B, T, Nq, D). key: (B, S, Nkv, D). value: (B, S, Nkv, Dv), Nq a multiple of Nkv; Dv may differ from D
       (multi-head latent attention).
     mask: (B, 1, 1, T, S) boolean, True where a query may see a key.
+    sinks: None, or (Nq,) attention sinks (GPT-OSS): one more logit per head in each query's softmax, with no value,
+      so that a query may give less than all of its weight to the keys.
   Returns:
     (B, T, Nq, Dv)
   """
@@ -70,7 +76,11 @@ def masked_attention(query, key, value, mask, logits_soft_cap: float = 0.0, floa
   if logits_soft_cap > 0:
     logits = soft_cap(logits, logits_soft_cap)
   logits = jnp.where(mask, logits, MASK_VALUE)
-  probs = nn.softmax(logits, axis=-1).astype(value.dtype)
+  if sinks is not None:
+    sink = sinks.astype(logits.dtype).reshape(1, num_kv, num_q // num_kv, 1, 1)
+    logits = jnp.concatenate([logits, jnp.broadcast_to(sink, (*logits.shape[:-1], 1))], axis=-1)
+  probs = nn.softmax(logits, axis=-1)
+  probs = (probs[..., :-1] if sinks is not None else probs).astype(value.dtype)  # the sink's weight has no value
   out = jnp.einsum("bkgts,bskd->btkgd", probs, value)  # (B, T, Nkv, G, Dv)
   return out.reshape(batch, length, num_q, value.shape[-1])
 
@@ -82,6 +92,7 @@ class LocalAttention:
 
   sliding_window: int
   rope_max_timescale: float
+  scaled_rope: bool = False  # a local layer's RoPE is scaled as the global one's (GPT-OSS's YaRN); Gemma 3: not
 
 
 def choose(is_local, compute):
@@ -117,7 +128,7 @@ class Attention(nn.Module):
   attention_segments: str  # cudnn_flash_jax: gpu_attention.SEGMENTS (how packed segments are masked)
   rope_min_timescale: float
   rope_max_timescale: float
-  rope_scaling: Llama3RopeScaling | LinearRopeScaling | None
+  rope_scaling: RopeScaling
   query_scale: float  # multiplies the query after RoPE: 1/sqrt(head_dim), or query_pre_attn_scalar**-0.5
   sliding_window: int
   logits_soft_cap: float
@@ -136,6 +147,7 @@ class Attention(nn.Module):
   qk_norm_plus_one: bool = False
   local: LocalAttention | None = None
   attention_chunk: int = 0  # > 0: each query sees the keys of its chunk only (Llama 4; dot_product and flash)
+  use_sinks: bool = False  # attention_sink: a learned logit per query head in each softmax (`sinks`, GPT-OSS)
   # How the sequence is laid out over the devices (context parallelism); from the config (block_parts).
   layout: context_parallel.ContextParallel = context_parallel.NONE
 
@@ -192,7 +204,7 @@ class Attention(nn.Module):
       return query, key
     timescale, scaling = self.rope_max_timescale, self.rope_scaling
     if is_local:
-      timescale, scaling = self.local.rope_max_timescale, None
+      timescale, scaling = self.local.rope_max_timescale, (scaling if self.local.scaled_rope else None)
     rope = functools.partial(
       apply_rotary_embedding, min_timescale=self.rope_min_timescale, max_timescale=timescale, scaling=scaling
     )
@@ -207,8 +219,9 @@ class Attention(nn.Module):
   def _window(self, is_local: bool) -> int:
     return self.local.sliding_window if is_local else self.sliding_window
 
-  def _attend(self, query, key, value, segment_ids, is_local: bool):
-    """The attention kernel over the whole (training or eval) sequence."""
+  def _attend(self, query, key, value, segment_ids, sinks, is_local: bool):
+    """The attention kernel over the whole (training or eval) sequence; sinks: None or (Nq,) (the kernels that take
+    them: attention_selection refuses attention_sink with the others)."""
     kernels = {
       "dot_product": functools.partial(dot_product_attention, layout=self.layout),
       "flash": functools.partial(flash_attention, layout=self.layout),
@@ -220,8 +233,15 @@ class Attention(nn.Module):
       kernel = functools.partial(sharded_ring_attention, layout=self.layout)
     if self.attention_chunk:  # the config allows it with dot_product and flash only
       kernel = functools.partial(kernel, chunk=self.attention_chunk)
+    with_sinks = {} if sinks is None else {"sinks": sinks}
     return kernel(
-      query, key, value, segment_ids, sliding_window=self._window(is_local), logits_soft_cap=self.logits_soft_cap
+      query,
+      key,
+      value,
+      segment_ids,
+      sliding_window=self._window(is_local),
+      logits_soft_cap=self.logits_soft_cap,
+      **with_sinks,
     )
 
   @nn.compact
@@ -249,15 +269,19 @@ class Attention(nn.Module):
     query = nn.with_logical_constraint(
       query * self.query_scale, ("activation_batch", "activation_length", "activation_heads", "activation_kv")
     )
+    sinks = None
+    if self.use_sinks:
+      init = nn.with_logical_partitioning(nn.initializers.normal(0.02), ("heads",))
+      sinks = self.param("sinks", init, (self.num_query_heads,), self.weight_dtype)
     if self.is_mutable_collection("cache") and not self.is_initializing():
       key, value = self._update_cache(key, value, positions)  # (B, S, Nkv, D): every slot
       mask = choose(
         is_local,
         lambda local: cache_mask(positions, self.cache_length, self._window(local), self.attention_chunk, segment_ids),
       )
-      out = masked_attention(query, key, value, mask, logits_soft_cap=self.logits_soft_cap)
+      out = masked_attention(query, key, value, mask, logits_soft_cap=self.logits_soft_cap, sinks=sinks)
     else:
-      out = choose(is_local, functools.partial(self._attend, query, key, value, segment_ids))
+      out = choose(is_local, functools.partial(self._attend, query, key, value, segment_ids, sinks))
     out = checkpoint_name(out, "context")  # (B, T, Nq, D)
     out = DenseGeneral(
       x.shape[-1],

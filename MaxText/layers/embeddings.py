@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from MaxText.layers import initializers
+from MaxText.layers.yarn import YarnRopeScaling
 
 
 class Embed(nn.Module):
@@ -83,22 +84,22 @@ class LinearRopeScaling:
     return (inv_freq / np.float32(self.factor)).astype(np.float32)
 
 
-def rope_inverse_frequencies(
-  head_dim: int,
-  min_timescale: float,
-  max_timescale: float,
-  scaling: Llama3RopeScaling | LinearRopeScaling | None = None,
-):
-  """The (D/2,) angular frequencies of RoPE, 1 / (min * (max/min)^(2i/D)), computed as transformers does (float32)."""
+RopeScaling = Llama3RopeScaling | LinearRopeScaling | YarnRopeScaling | None
+
+
+def rope_inverse_frequencies(head_dim: int, min_timescale: float, max_timescale: float, scaling: RopeScaling = None):
+  """The (D/2,) angular frequencies of RoPE, 1 / (min * (max/min)^(2i/D)), computed as transformers does (float32).
+
+  YaRN ramps over the unscaled timescales with max_timescale as its base (rope_min_timescale 1, as transformers')."""
   fraction = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
   timescale = np.float32(min_timescale) * (np.float32(max_timescale / min_timescale) ** fraction)
+  if isinstance(scaling, YarnRopeScaling):
+    return scaling.inverse_frequencies(timescale, max_timescale)
   inv_freq = (np.float32(1.0) / timescale).astype(np.float32)
   return scaling.apply(inv_freq) if scaling is not None else inv_freq
 
 
-def apply_rotary_embedding(
-  x, positions, min_timescale: float, max_timescale: float, scaling: Llama3RopeScaling | LinearRopeScaling | None = None
-):
+def apply_rotary_embedding(x, positions, min_timescale: float, max_timescale: float, scaling: RopeScaling = None):
   """RoPE in the split-halves convention: x = [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin].
 
   This is transformers' `rotate_half` convention, so Hugging Face q/k kernels map by a reshape only.
@@ -110,5 +111,7 @@ def apply_rotary_embedding(
   inv_freq = jnp.asarray(rope_inverse_frequencies(x.shape[-1], min_timescale, max_timescale, scaling))  # (D/2,)
   angles = positions[:, :, None, None].astype(jnp.float32) * inv_freq  # (B, T, 1, D/2)
   sin, cos = jnp.sin(angles), jnp.cos(angles)
+  if isinstance(scaling, YarnRopeScaling):  # YaRN's attention factor multiplies cos and sin, as transformers does
+    sin, cos = sin * scaling.attention_factor, cos * scaling.attention_factor
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)

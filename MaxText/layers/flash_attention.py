@@ -94,12 +94,12 @@ def _kernel(
   )
 
 
-def _local_attention(kernel, query, key, value, q_segment_ids, kv_segment_ids):
-  """One shard: (b, Tq, nq, D) queries, (b, T, nkv, D) keys/values -> (b, Tq, nq, D)."""
+def _local_attention(kernel, query, key, value, q_segment_ids, kv_segment_ids, sinks=None):
+  """One shard: (b, Tq, nq, D) queries, (b, T, nkv, D) keys/values, sinks None or (nq,) -> (b, Tq, nq, D)."""
   to_heads_first = functools.partial(jnp.swapaxes, axis1=1, axis2=2)  # (b, T, n, D) <-> (b, n, T, D)
 
   def one_example(q, k, v, q_seg, kv_seg):
-    return kernel(q, k, v, segment_ids=splash.SegmentIds(q=q_seg, kv=kv_seg))
+    return kernel(q, k, v, segment_ids=splash.SegmentIds(q=q_seg, kv=kv_seg), sinks=sinks)
 
   out = jax.vmap(one_example)(
     to_heads_first(query), to_heads_first(key), to_heads_first(value), q_segment_ids, kv_segment_ids
@@ -132,10 +132,12 @@ def flash_attention(
   interpret: bool | None = None,
   layout: context_parallel.ContextParallel = context_parallel.NONE,
   chunk: int = 0,
+  sinks=None,
 ):
   """Causal, segment-masked attention with the splash kernel. Shapes and options as dot_product_attention.
 
   Args:
+    sinks: None, or (Nq,) attention sinks, which splash takes (split over the heads as the queries).
     interpret: run the Pallas interpreter; default: only when compiling for CPU devices.
     layout: how the sequence is laid out (context_parallel); its token order when load-balanced.
   """
@@ -147,7 +149,7 @@ def flash_attention(
   )
   make = functools.partial(make, interpret=interpret)
   if mesh.empty:
-    return _local_attention(make(num_heads), query, key, value, segment_ids, segment_ids)
+    return _local_attention(make(num_heads), query, key, value, segment_ids, segment_ids, sinks)
   rows, shape = query.shape[0], dict(mesh.shape)
   q_spec = nn.logical_to_mesh_axes(("activation_batch", "activation_length", "activation_heads", None))
   q_spec = mesh_specs.fit_batch(q_spec, rows, shape)
@@ -159,12 +161,14 @@ def flash_attention(
   q_shards = _mesh_ways(mesh, q_spec[1])
   if q_shards == 1:  # the sequence is whole on every device: the kernel is made per shard
 
-    def whole(q, k, v, seg):
-      return _local_attention(make(local_heads), q, k, v, seg, seg)
+    def whole(q, k, v, seg, *sink):
+      return _local_attention(make(local_heads), q, k, v, seg, seg, *sink)
 
-    return jax.shard_map(
-      whole, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P(q_spec[0], None)), out_specs=q_spec, check_vma=False
-    )(query, key, value, segment_ids)
+    sink_args, sink_specs = ((sinks,), (P(q_spec[2]),)) if sinks is not None else ((), ())
+    in_specs = (q_spec, kv_spec, kv_spec, P(q_spec[0], None), *sink_specs)
+    return jax.shard_map(whole, mesh=mesh, in_specs=in_specs, out_specs=q_spec, check_vma=False)(
+      query, key, value, segment_ids, *sink_args
+    )
   # The queries stay split over the length; keys, values and their segment ids are gathered (kv_spec), and put back
   # in the original order, which the mask's key indices are.
   order = layout.token_order(length) if layout.load_balance else None
@@ -172,12 +176,13 @@ def flash_attention(
   kernel_spec = kernel.manual_sharding_spec(NamedSharding(mesh, P(None, q_spec[1])))
   to_original = np.argsort(order) if order is not None else None
 
-  def local(kernel, q, k, v, q_seg, kv_seg):
+  def local(kernel, q, k, v, q_seg, kv_seg, *sink):
     if to_original is not None:
       k, v, kv_seg = (jnp.take(x, to_original, axis=1) for x in (k, v, kv_seg))
-    return _local_attention(kernel, q, k, v, q_seg, kv_seg)
+    return _local_attention(kernel, q, k, v, q_seg, kv_seg, *sink)
 
-  in_specs = (kernel_spec, q_spec, kv_spec, kv_spec, P(q_spec[0], q_spec[1]), P(kv_spec[0], None))
+  sink_args, sink_specs = ((sinks,), (P(q_spec[2]),)) if sinks is not None else ((), ())
+  in_specs = (kernel_spec, q_spec, kv_spec, kv_spec, P(q_spec[0], q_spec[1]), P(kv_spec[0], None), *sink_specs)
   return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=q_spec, check_vma=False)(
-    kernel, query, key, value, segment_ids, segment_ids
+    kernel, query, key, value, segment_ids, segment_ids, *sink_args
   )

@@ -21,14 +21,11 @@ the query and of k_pe as interleaved pairs (x0, x1), (x2, x3), ...: DeepSeek's o
 so that Hugging Face checkpoints convert by transposes and reshapes only.
 """
 
-import dataclasses
 import functools
-import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.layers import context_parallel, initializers
@@ -38,82 +35,10 @@ from MaxText.layers.flash_attention import flash_attention
 from MaxText.layers.linears import DenseGeneral, Gemm
 from MaxText.layers.normalizations import RMSNorm
 from MaxText.layers.ring_attention import sharded_ring_attention
+from MaxText.layers.yarn import YarnRopeScaling, rope_frequencies, yarn_rope_scaling  # noqa: F401  (deepseek's names)
 
 # The kernels MLA runs over a whole sequence; both take a value head dim that differs from the query's.
 ATTENTION_KERNELS = ("dot_product", "flash")
-
-
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-  """YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (transformers' yarn_get_mscale); 1 for factor <= 1."""
-  return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-@dataclasses.dataclass(frozen=True)
-class YarnRopeScaling:
-  """YaRN context extension (transformers' rope_type "yarn", as DeepSeek-V3's config sets it).
-
-  Frequencies whose wavelength fits fewer than beta_slow times into original_max_position_embeddings are divided by
-  `factor` (interpolated), those fitting more than beta_fast times are kept (extrapolated), with a linear ramp
-  between. Attributes keep transformers' names; beta_fast and beta_slow of 0 mean its defaults 32 and 1.
-  """
-
-  factor: float
-  original_max_position_embeddings: int
-  beta_fast: float = 32.0
-  beta_slow: float = 1.0
-  mscale: float = 1.0
-  mscale_all_dim: float = 0.0
-
-  def inverse_frequencies(self, pos_freqs, theta: float):
-    """(D/2,) float32 theta**(2i/D) -> the YaRN angular frequencies (float32, as transformers computes them)."""
-    f32 = np.float32
-    dim = 2 * len(pos_freqs)
-
-    def correction_dim(num_rotations):  # the dimension whose wavelength fits num_rotations times in the original
-      return dim * math.log(self.original_max_position_embeddings / (num_rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-    low = max(math.floor(correction_dim(self.beta_fast or 32)), 0)
-    high = min(math.ceil(correction_dim(self.beta_slow or 1)), dim - 1)
-    high = high + 0.001 if low == high else high  # transformers' guard against a zero-width ramp
-    ramp = np.clip((np.arange(dim // 2, dtype=f32) - f32(low)) / f32(high - low), 0, 1).astype(f32)
-    extrapolation = 1 - ramp  # 1: keep the frequency, 0: divide it by factor
-    inv_extrapolated = f32(1) / pos_freqs
-    inv_interpolated = f32(1) / (f32(self.factor) * pos_freqs)
-    return (inv_interpolated * (1 - extrapolation) + inv_extrapolated * extrapolation).astype(f32)
-
-  @property
-  def attention_factor(self) -> float:
-    """What transformers multiplies RoPE's cos and sin by (1 when mscale == mscale_all_dim, as in DeepSeek-V3)."""
-    if self.mscale and self.mscale_all_dim:
-      return _yarn_mscale(self.factor, self.mscale) / _yarn_mscale(self.factor, self.mscale_all_dim)
-    return _yarn_mscale(self.factor)
-
-  @property
-  def softmax_scale_multiplier(self) -> float:
-    """DeepseekV3Attention's softmax scale is qk_head_dim**-0.5 times this: mscale(factor, mscale_all_dim)^2."""
-    return _yarn_mscale(self.factor, self.mscale_all_dim) ** 2 if self.mscale_all_dim else 1.0
-
-
-def yarn_rope_scaling(
-  factor: float | None,
-  original_max_position_embeddings: int,
-  beta_fast: float = 32.0,
-  beta_slow: float = 1.0,
-  mscale: float = 1.0,
-  mscale_all_dim: float = 0.0,
-) -> YarnRopeScaling | None:
-  """YarnRopeScaling from config values; None (plain RoPE) when factor is None or <= 0."""
-  if factor is None or factor <= 0:
-    return None
-  return YarnRopeScaling(factor, original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim)
-
-
-def rope_frequencies(dim: int, theta: float, scaling: YarnRopeScaling | None):
-  """(dim/2,) float32 angular frequencies 1 / theta^(2i/dim), YaRN-scaled when `scaling` is given."""
-  pos_freqs = (np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))).astype(np.float32)
-  if scaling is None:
-    return (np.float32(1) / pos_freqs).astype(np.float32)
-  return scaling.inverse_frequencies(pos_freqs, theta)
 
 
 def apply_decoupled_rope(x, positions, inv_freq, attention_factor: float = 1.0, interleaved: bool = True):

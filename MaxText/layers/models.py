@@ -17,6 +17,7 @@ from MaxText.layers import (
   gemma2,
   gemma3,
   gpt3,
+  gpt_oss,
   linears,
   llama4,
   pipeline,
@@ -49,6 +50,7 @@ DECODER_BLOCKS = {
   "qwen3_moe": DecoderFamily(Qwen3MoeDecoderLayer),
   "deepseek": deepseek.FAMILY,
   "llama4": llama4.FAMILY,
+  "gpt_oss": gpt_oss.FAMILY,
 }
 
 # Collections that the scanned layers stack on axis 0 besides their params: sown statistics (e.g. MoE routing, for

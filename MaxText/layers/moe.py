@@ -8,7 +8,7 @@ auxiliary-loss-free balancing are here too; deepseek_moe.py assembles its block 
 How the experts compute (grouped or dense, dropless or with a capacity, the dispatch) is moe_experts.py's.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import flax.linen as nn
 import jax
@@ -201,22 +201,34 @@ def shared_experts(module: nn.Module, x):
 
 
 class MoeBlock(nn.Module):
-  """Top-k routed gated-MLP experts. Params: gate/kernel (embed, E); wi_0, wi_1 (E, embed, mlp); wo (E, mlp, embed)."""
+  """Top-k routed gated-MLP experts. Params: gate/kernel (embed, E); wi_0, wi_1 (E, embed, mlp); wo (E, mlp, embed).
+
+  GPT-OSS's options: router_bias (gate/bias (E,), added to the router's logits and trained, unlike DeepSeek's
+  selection-only bias), expert_bias (wi_0_bias, wi_1_bias (E, mlp), wo_bias (E, embed)), and `activations` a callable
+  gating of the wi outputs (moe_experts._gated) instead of activation names.
+  """
 
   num_experts: int
   num_experts_per_tok: int
   intermediate_dim: int
-  activations: Sequence[str]
+  activations: Sequence[str] | Callable
   experts: ExpertsConfig  # how they compute: moe_experts.py
   dtype: str
   weight_dtype: str
+  router_bias: bool = False
+  expert_bias: bool = False
 
   @nn.compact
   def __call__(self, x, segment_ids):
     """x (B, T, D); segment_ids (B, T) (padding, 0, is left out of the routing statistics). Returns (B, T, D)."""
     # The router runs in float32: a bfloat16 logit can flip which experts win.
     router_logits = DenseGeneral(
-      self.num_experts, ("embed", None), dtype="float32", weight_dtype=self.weight_dtype, name="gate"
+      self.num_experts,
+      ("embed", None),
+      dtype="float32",
+      weight_dtype=self.weight_dtype,
+      use_bias=self.router_bias,
+      name="gate",
     )(x)  # (B, T, E)
     probs, weights, experts = route(router_logits, self.num_experts_per_tok)
     sow_routing_statistics(self, probs, experts, segment_ids, self.num_experts)
@@ -229,4 +241,5 @@ class MoeBlock(nn.Module):
       self.intermediate_dim,
       self.activations,
       self.experts,
+      use_bias=self.expert_bias,
     )

@@ -84,15 +84,39 @@ def _named(h_parts):
 
 
 def _gated(h_parts, activations):
+  """The product of the named activations of the wi outputs, or `activations(h_parts)` where a family's gating is not
+  such a product (GPT-OSS's clamped SwiGLU)."""
+  if callable(activations):
+    return activations(h_parts)
   return functools.reduce(operator.mul, [ACTIVATIONS[a](h) for a, h in zip(activations, h_parts)])
 
 
+def num_projections(activations) -> int:
+  """The wi kernels: one per named activation, or the gating's `projections`."""
+  return activations.projections if callable(activations) else len(activations)
+
+
+def _row_bias(bias, group_sizes, rows: int):
+  """bias (E, M) of the expert of each of `rows` rows grouped by expert -> (rows, M); 0 past sum(group_sizes)."""
+  expert_of_row = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows), side="right")  # E past the groups
+  return jnp.take(bias, expert_of_row, axis=0, mode="fill", fill_value=0)
+
+
+def _project_in(matmul: GroupedMatmul, grouped, w, group_sizes):
+  """One wi's grouped matmul; w is its (E, D, M) kernel, or (kernel, (E, M) bias) for experts with biases."""
+  if isinstance(w, tuple):
+    kernel, bias = w
+    return matmul(grouped, kernel, group_sizes, "wi") + _row_bias(bias, group_sizes, grouped.shape[0])
+  return matmul(grouped, w, group_sizes, "wi")
+
+
 def _expert_mlp(grouped, wi, wo, group_sizes, activations, matmul: GroupedMatmul):
-  """The gated MLPs of experts on rows grouped by expert: grouped (R, D), wi [(E, D, M)], wo (E, M, D) -> (R, D).
+  """The gated MLPs of experts on rows grouped by expert: grouped (R, D), wi [(E, D, M) or (kernel, (E, M) bias)],
+  wo (E, M, D) -> (R, D). wo's bias is added outside (routed_experts): it does not depend on the rows' values.
 
   Rows past sum(group_sizes) give 0.
   """
-  h = _gated(_named([matmul(grouped, w, group_sizes, "wi") for w in wi]), activations)  # (R, M)
+  h = _gated(_named([_project_in(matmul, grouped, w, group_sizes) for w in wi]), activations)  # (R, M)
   h = checkpoint_name(h, "mlpwi")
   return checkpoint_name(matmul(h, wo, group_sizes, "wo"), "moe_mlpwo")
 
@@ -157,14 +181,25 @@ def grouped(x, weights, experts, wi, wo, activations, dispatch: str, matmul: Gro
     PartitionSpec(ep_axes or None, None, mlp_axes or None),
     PartitionSpec(ep_axes or None, mlp_axes or None, None),
   )
+  bias_in = PartitionSpec(ep_axes or None, mlp_axes or None)
   fn = jax.shard_map(
     functools.partial(local, psum_axes=mlp_axes),
-    in_specs=(tokens, tokens, tokens, [w_in] * len(wi), w_out),
+    in_specs=(tokens, tokens, tokens, [(w_in, bias_in) if isinstance(w, tuple) else w_in for w in wi], w_out),
     out_specs=tokens,
-    # A pallas_call's outputs carry no varying-axes type, which check_vma requires.
-    check_vma=matmul.kernel != "megablox",
+    # A pallas_call's outputs carry no varying-axes type, which check_vma requires; nor, under the pipeline's vmap over
+    # stage, does the biases' row lookup (_row_bias: its searchsorted compares values varying over other axes).
+    check_vma=matmul.kernel != "megablox" and not any(isinstance(w, tuple) for w in wi),
   )
   return fn(x, weights, experts, list(wi), wo)
+
+
+def _dense_in(equation: str, x, w, expert_axis: int):
+  """One wi's einsum over every expert; w as _project_in's, its (E, M) bias broadcast with E on expert_axis."""
+  if not isinstance(w, tuple):
+    return jnp.einsum(equation, x, w)
+  kernel, bias = w
+  h = jnp.einsum(equation, x, kernel)
+  return h + bias.reshape((1,) * expert_axis + (bias.shape[0],) + (1,) * (h.ndim - expert_axis - 2) + (bias.shape[1],))
 
 
 def with_capacity(x, weights, experts, wi, wo, activations, capacity_factor: float):
@@ -184,7 +219,7 @@ def with_capacity(x, weights, experts, wi, wo, activations, capacity_factor: flo
   dispatched = nn.with_logical_constraint(
     dispatched, ("activation_batch_no_exp", "activation_exp", None, "activation_embed")
   )
-  h = _gated(_named([jnp.einsum("becd,edm->becm", dispatched, w) for w in wi]), activations)  # (B, E, C, M)
+  h = _gated(_named([_dense_in("becd,edm->becm", dispatched, w, 1) for w in wi]), activations)  # (B, E, C, M)
   h = checkpoint_name(h, "mlpwi")
   out = checkpoint_name(jnp.einsum("becm,emd->becd", h, wo), "moe_mlpwo").reshape(batch, dropped, dim)
   out = jnp.concatenate([out, jnp.zeros((batch, 1, dim), out.dtype)], axis=1)  # (B, E*C+1, D)
@@ -197,19 +232,31 @@ def dense(x, weights, experts, wi, wo, activations):
   num_experts = wo.shape[0]
   # (B, T, E): a token's routing weight for each expert, 0 for those it did not choose.
   combine = jnp.sum(jax.nn.one_hot(experts, num_experts, dtype=x.dtype) * weights[..., None].astype(x.dtype), axis=-2)
-  h = _gated(_named([jnp.einsum("btd,edm->btem", x, w) for w in wi]), activations)  # (B, T, E, M)
+  h = _gated(_named([_dense_in("btd,edm->btem", x, w, 2) for w in wi]), activations)  # (B, T, E, M)
   h = checkpoint_name(h, "mlpwi")
   return checkpoint_name(jnp.einsum("btem,emd->btd", h * combine[..., None], wo), "moe_mlpwo")
 
 
-def routed_experts(module, x, weights, experts, num_experts: int, intermediate_dim: int, activations, cfg: ExpertsConfig):
+def routed_experts(
+  module,
+  x,
+  weights,
+  experts,
+  num_experts: int,
+  intermediate_dim: int,
+  activations,
+  cfg: ExpertsConfig,
+  use_bias: bool = False,
+):
   """The routed gated-MLP experts' output, declaring their kernels on `module` (called from its compact __call__).
 
   Params: wi_0.. (E, embed, mlp) one per activation, wo (E, mlp, embed), in `module.weight_dtype`, computed in
-  `module.dtype`, as the module docstring's table of `cfg` says.
+  `module.dtype`, as the module docstring's table of `cfg` says; use_bias adds wi_0_bias.. (E, mlp) and wo_bias
+  (E, embed), trained (GPT-OSS's experts).
 
   Args:
     x: (B, T, D). weights, experts: (B, T, k) from a routing function.
+    activations: the activation names (their product gates), or a callable gating (_gated).
   Returns:
     (B, T, D).
   """
@@ -220,20 +267,43 @@ def routed_experts(module, x, weights, experts, num_experts: int, intermediate_d
     module.param(
       f"wi_{i}", nn.with_logical_partitioning(init, ("exp", "embed_no_exp", "mlp")), wi_shape, module.weight_dtype
     ).astype(module.dtype)
-    for i in range(len(activations))
+    for i in range(num_projections(activations))
   ]
   wo = module.param(
     "wo", nn.with_logical_partitioning(init, ("exp", "mlp", "embed_no_exp")), wo_shape, module.weight_dtype
   ).astype(module.dtype)
+  bias = functools.partial(_expert_bias, module, num_experts)
+  if use_bias:
+    wi = [(w, bias(f"wi_{i}_bias", intermediate_dim, "mlp")) for i, w in enumerate(wi)]
   x = x.astype(module.dtype)
+  kept = _kept(experts, num_experts, cfg, x.shape[1])  # E: a choice past capacity, dropped
   if not cfg.sparse_matmul:
     if cfg.capacity_factor > 0:
       y = with_capacity(x, weights, experts, wi, wo, activations, cfg.capacity_factor)
     else:
       y = dense(x, weights, experts, wi, wo, activations)
   else:
-    if cfg.capacity_factor > 0:
-      capacity = expert_capacity(x.shape[1], experts.shape[-1], num_experts, cfg.capacity_factor)
-      experts = jnp.where(capacity_slots(experts, num_experts, capacity)[1], experts, num_experts)  # E: dropped
-    y = grouped(x, weights, experts, wi, wo, activations, cfg.dispatch, cfg.matmul)
+    y = grouped(x, weights, kept, wi, wo, activations, cfg.dispatch, cfg.matmul)
+  if use_bias:  # sum_k weight_k (out_k + wo_bias[e_k]): the bias term is the weights' combination of the biases
+    combine = _combine(weights, kept, num_experts)  # (B, T, E)
+    y = y + (combine.astype(y.dtype) @ bias("wo_bias", dim, "embed_no_exp")).astype(y.dtype)
   return checkpoint_name(y, "mlpwo")
+
+
+def _expert_bias(module, num_experts: int, name: str, width: int, axis: str):
+  """An (E, width) trained bias of the experts, zeros at init, in module.dtype."""
+  init = nn.with_logical_partitioning(nn.initializers.zeros, ("exp", axis))
+  return module.param(name, init, (num_experts, width), module.weight_dtype).astype(module.dtype)
+
+
+def _kept(experts, num_experts: int, cfg: ExpertsConfig, length: int):
+  """experts (B, T, k) with the choices past capacity (capacity_factor > 0) replaced by num_experts."""
+  if cfg.capacity_factor <= 0:
+    return experts
+  capacity = expert_capacity(length, experts.shape[-1], num_experts, cfg.capacity_factor)
+  return jnp.where(capacity_slots(experts, num_experts, capacity)[1], experts, num_experts)
+
+
+def _combine(weights, experts, num_experts: int):
+  """(B, T, E): each token's routing weight of each expert (0 for the others and for an id of num_experts)."""
+  return jnp.sum(jax.nn.one_hot(experts, num_experts, dtype=weights.dtype) * weights[..., None], axis=-2)

@@ -85,7 +85,7 @@ def test_the_switches_are_those_the_companion_warnings_named():
     "quantize_kvcache=true": ["kv_quant_axis", "kv_quant_dtype"],
     "use_sft=true": ["sft_train_on_completion_only"],
     "use_dpo=true": ["dpo_beta", "dpo_label_smoothing"],
-    "decoder_block=mixtral|qwen3_moe|deepseek|llama4": [
+    "decoder_block=mixtral|qwen3_moe|deepseek|llama4|gpt_oss": [
       "num_experts",
       "num_experts_per_tok",
       "capacity_factor",
@@ -134,7 +134,6 @@ def test_the_switches_are_those_the_companion_warnings_named():
       "n_routing_groups",
       "topk_routing_group",
       "routed_scaling_factor",
-      "routed_bias",
       "routed_bias_update_rate",
       "q_lora_rank",
       "kv_lora_rank",
@@ -151,6 +150,8 @@ def test_the_switches_are_those_the_companion_warnings_named():
       "temperature_tuning",
     ],
     "temperature_tuning=true": ["temperature_tuning_scale", "temperature_tuning_floor_scale"],
+    "decoder_block=deepseek|gpt_oss": ["routed_bias"],
+    "decoder_block=gpt_oss": ["mlp_bias", "mlp_activations_limit", "attention_sink"],
     "rope_type=yarn": ["rope_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale"],
     "use_multimodal=true": ["freeze_vision_encoder_params", "dtype_mm"],
   }

@@ -45,6 +45,9 @@ PUBLISHED = {
   "qwen3-8b": (8_190_735_360, "Qwen/Qwen3-8B"),
   "qwen3-30b-a3b": (30_500_000_000, "Qwen/Qwen3-30B-A3B model card: 30.5B in total, 3.3B activated"),
   "qwen3-235b-a22b": (235_000_000_000, "Qwen/Qwen3-235B-A22B model card: 235B in total, 22B activated"),
+  # The unquantized count (transformers' GptOssForCausalLM of the released config; gpt_oss_test.py checks it to 0.1%).
+  "gpt-oss-20b": (20_914_757_184, "openai/gpt-oss-20b model card: 21B in total, 3.6B active"),
+  "gpt-oss-120b": (116_829_156_672, "openai/gpt-oss-120b model card: 117B in total, 5.1B active"),
 }
 
 

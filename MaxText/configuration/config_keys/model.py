@@ -17,10 +17,11 @@ from MaxText.configuration.config_keys import NON_NEGATIVE, POSITIVE, Key, On, R
 
 _FP8 = On("quantization", "fp8")
 _KV_CACHE = On("quantize_kvcache", True)
-_MOE = On("decoder_block", "mixtral", "qwen3_moe", "deepseek", "llama4")  # the decoder blocks with a mixture of experts
+_MOE = On("decoder_block", "mixtral", "qwen3_moe", "deepseek", "llama4", "gpt_oss")  # the blocks with experts
 _DEEPSEEK = On("decoder_block", "deepseek")
 _SHARED_EXPERTS = On("decoder_block", "deepseek", "llama4")
 _LLAMA4 = On("decoder_block", "llama4")
+_GPT_OSS = On("decoder_block", "gpt_oss")
 _YARN = On("rope_type", "yarn")
 
 _TILE = Range(1, also=(-1,), says="-1 (from the shapes) or a positive tile size")
@@ -137,8 +138,9 @@ SECTIONS = {
     ),
     "routed_scaling_factor": Key("deepseek: multiplies the routed experts' weights.", range=POSITIVE, acts_with=_DEEPSEEK),
     "routed_bias": Key(
-      "deepseek: a per-expert bias that shifts only which experts win; moved towards equal loads, not trained.",
-      acts_with=_DEEPSEEK,
+      "Router bias gate/bias. deepseek: picks experts only, moved to equal loads, untrained; "
+      "gpt_oss: added to logits, trained.",
+      acts_with=On("decoder_block", "deepseek", "gpt_oss"),
     ),
     "routed_bias_update_rate": Key(
       "deepseek, routed_bias: the bias moves by this after each step (up if underloaded, down if over).",
@@ -174,6 +176,16 @@ SECTIONS = {
       "llama4, temperature_tuning: positions per step of the log (transformers' floor_scale).",
       range=POSITIVE,
       acts_with=On("temperature_tuning", True),
+    ),
+    "mlp_bias": Key("gpt_oss: the experts' wi_0, wi_1 and wo have trained biases.", acts_with=_GPT_OSS),
+    "mlp_activations_limit": Key(
+      "gpt_oss: the experts' SwiGLU clamps the gate above and the up projection to +-this (7.0); <= 0: no clamp.",
+      range=Range(says="a number (<= 0: no clamp)"),
+      acts_with=_GPT_OSS,
+    ),
+    "attention_sink": Key(
+      "gpt_oss: a learned logit per query head joins each softmax (self_attention/sinks); kernels dot_product, flash.",
+      acts_with=_GPT_OSS,
     ),
     "mtp_num_layers": Key(
       "Multi-token prediction depths (one decoder layer each; depth k predicts the token k + 1 ahead); 0: none.",
@@ -234,7 +246,10 @@ SECTIONS = {
       range=Range(0, low_open=True, also=(-1,), says="-1 (rope_max_timescale) or a positive RoPE base"),
       acts_with=On("decoder_block", "gemma3"),
     ),
-    "rope_type": Key("default | yarn (YaRN RoPE scaling; deepseek's attention only).", choices=("default", "yarn")),
+    "rope_type": Key(
+      "default | yarn (YaRN RoPE scaling: deepseek's latent attention, truncated; gpt_oss's, not truncated).",
+      choices=("default", "yarn"),
+    ),
     "rope_factor": Key("YaRN: the context extension factor.", range=Range(1), acts_with=_YARN),
     "original_max_position_embeddings": Key("YaRN: the original model's context length.", range=POSITIVE, acts_with=_YARN),
     "beta_fast": Key("YaRN: wavelengths fitting more often than this are kept.", range=POSITIVE, acts_with=_YARN),
