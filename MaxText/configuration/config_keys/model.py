@@ -138,8 +138,7 @@ SECTIONS = {
     ),
     "routed_scaling_factor": Key("deepseek: multiplies the routed experts' weights.", range=POSITIVE, acts_with=_DEEPSEEK),
     "routed_bias": Key(
-      "Per-expert router bias. deepseek: only picks the experts, moved to equal loads, untrained; "
-      "gpt_oss: in the logits, trained.",
+      "Per-expert router bias. deepseek: only picks experts, moved to equal loads, untrained; gpt_oss: in logits, trained.",
       acts_with=On("decoder_block", "deepseek", "gpt_oss"),
     ),
     "routed_bias_update_rate": Key(
