@@ -97,3 +97,23 @@ def test_the_devices_of_the_config_decide_not_this_host():
   assert attention() == "cudnn_flash_jax"
   assert attention("attention=cudnn_flash_jax") == "cudnn_flash_jax"
   assert attention("dtype=float32") == "dot_product"
+
+
+def test_kernels_without_sinks_refuse_them_in_one_line():
+  """cuDNN's kernels and ring attention cannot carry the sinks: one ConfigError line each; autoselected takes
+  dot_product on GPU."""
+  from MaxText.configuration import attention_selection  # pylint: disable=import-outside-toplevel
+  from MaxText.errors import ConfigError  # pylint: disable=import-outside-toplevel
+
+  values = _values(attention_sink=True)
+  assert attention_selection.select(values, "gpu") == "dot_product"
+  with pytest.raises(ConfigError) as error:
+    attention_selection.select({**values, "attention": "cudnn_flash_jax"}, "gpu")
+  assert str(error.value) == (
+    "attention=cudnn_flash_jax cannot run with attention_sink=true (the cuDNN kernels here take no sinks; dot_product "
+    "and flash do); use attention=dot_product"
+  )
+  ring = {"max_target_length": 1024, "context_parallel_load_balance": True, "context_parallel_strategy": "ring"}
+  ring.update(num_query_heads=4, num_kv_heads=4, logical_axis_rules=[])
+  with pytest.raises(ConfigError, match="^context_parallel_strategy=ring cannot carry attention_sink=true"):
+    attention_selection.check_length_sharding({**ring, "attention": "dot_product", "attention_sink": True}, {"context": 4})

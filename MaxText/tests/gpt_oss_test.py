@@ -243,12 +243,14 @@ def test_preset_counts_equal_transformers(preset, layers, experts, active):
   6 FLOPs per weight and token: attention, 4 experts, router, logits) its active ones, the model card's 3.6B and 5.1B
   (the norms, biases and sinks, 0.02%, are no matmul)."""
   from MaxText import pyconfig  # pylint: disable=import-outside-toplevel
-  from MaxText.tests.helpers import BASE_YML  # pylint: disable=import-outside-toplevel
-  from MaxText.tests.presets_test import _param_count  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.helpers import (
+    BASE_YML,  # pylint: disable=import-outside-toplevel
+    param_count,  # pylint: disable=import-outside-toplevel
+  )
   from MaxText.training import flops  # pylint: disable=import-outside-toplevel
 
   total, hf_active = _transformers_counts(layers, experts)
-  assert _param_count(preset) == pytest.approx(total, rel=1e-3)
+  assert param_count(preset) == pytest.approx(total, rel=1e-3)
   config = pyconfig.initialize(
     ["test", BASE_YML, "run_name=test", f"model_name={preset}", "per_device_batch_size=1", "max_target_length=2048"],
     environ={},
@@ -306,27 +308,6 @@ def test_flash_carries_the_sinks_as_dot_product_does():
   dot = dot_product_attention(q, k, v, seg, sliding_window=40, sinks=sinks)
   np.testing.assert_allclose(flash, dot, atol=2e-6)
   assert np.max(np.abs(dot - dot_product_attention(q, k, v, seg, sliding_window=40))) > 1e-2  # the sinks matter
-
-
-def test_kernels_without_sinks_refuse_them_in_one_line():
-  """cuDNN's kernels and ring attention cannot carry the sinks: one ConfigError line each; autoselected takes
-  dot_product on GPU."""
-  from MaxText.configuration import attention_selection  # pylint: disable=import-outside-toplevel
-  from MaxText.errors import ConfigError  # pylint: disable=import-outside-toplevel
-  from MaxText.tests.attention_selection_test import _values  # pylint: disable=import-outside-toplevel
-
-  values = _values(attention_sink=True)
-  assert attention_selection.select(values, "gpu") == "dot_product"
-  with pytest.raises(ConfigError) as error:
-    attention_selection.select({**values, "attention": "cudnn_flash_jax"}, "gpu")
-  assert str(error.value) == (
-    "attention=cudnn_flash_jax cannot run with attention_sink=true (the cuDNN kernels here take no sinks; dot_product "
-    "and flash do); use attention=dot_product"
-  )
-  ring = {"max_target_length": 1024, "context_parallel_load_balance": True, "context_parallel_strategy": "ring"}
-  ring.update(num_query_heads=4, num_kv_heads=4, logical_axis_rules=[])
-  with pytest.raises(ConfigError, match="^context_parallel_strategy=ring cannot carry attention_sink=true"):
-    attention_selection.check_length_sharding({**ring, "attention": "dot_product", "attention_sink": True}, {"context": 4})
 
 
 def test_routed_bias_is_trained_for_gpt_oss_and_moved_for_deepseek():

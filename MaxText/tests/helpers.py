@@ -409,3 +409,17 @@ def lora_run(tmp_path, hf_dir: str, *args, stops=(3,)):
     result = run_python([*common, f"steps={steps}"])
     assert result.returncode == 0, result.stderr[-3000:]
   return model_yml, base_params, str(tmp_path / "lora"), result
+
+
+def param_count(model_name: str, *overrides) -> int:
+  """The number of params of a preset (with key=value overrides), from the model's abstract init."""
+  import math  # pylint: disable=import-outside-toplevel
+
+  import jax  # pylint: disable=import-outside-toplevel
+
+  from MaxText.layers import models  # pylint: disable=import-outside-toplevel
+
+  config = pyconfig.initialize(["test", BASE_YML, "run_name=test", f"model_name={model_name}", *overrides], environ={})
+  tokens = jax.numpy.zeros((1, 8), jax.numpy.int32)
+  shapes = jax.eval_shape(models.Transformer(config).init, jax.random.PRNGKey(0), tokens, tokens)
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))

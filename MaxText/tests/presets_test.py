@@ -1,15 +1,9 @@
 """Every model preset builds, and its parameter count (jax.eval_shape: nothing allocated) matches the published one."""
 
-import math
-
-import jax
-import jax.numpy as jnp
 import pytest
 
-from MaxText import pyconfig
 from MaxText.configuration import config_loader
-from MaxText.layers import models
-from MaxText.tests.helpers import BASE_YML
+from MaxText.tests.helpers import BASE_YML, param_count
 
 # preset -> (published parameter count, source). Counts are those of the released checkpoints (the Hugging Face
 # safetensors totals); presets whose vocabulary is padded (Gemma: 256128 rows vs 256000) stay within 1%.
@@ -79,13 +73,6 @@ UNPUBLISHED = {
 }
 
 
-def _param_count(model_name: str, *overrides) -> int:
-  config = pyconfig.initialize(["test", BASE_YML, "run_name=test", f"model_name={model_name}", *overrides], environ={})
-  tokens = jnp.zeros((1, 8), jnp.int32)
-  shapes = jax.eval_shape(models.Transformer(config).init, jax.random.PRNGKey(0), tokens, tokens)
-  return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
-
-
 def test_every_preset_has_a_count():
   presets = set(config_loader.list_model_presets(BASE_YML.rsplit("/", 1)[0]))
   assert presets == set(PUBLISHED) | set(UNPUBLISHED) | {p for p in presets if p.startswith("mixtral")}
@@ -94,17 +81,17 @@ def test_every_preset_has_a_count():
 @pytest.mark.parametrize("model_name", sorted(PUBLISHED))
 def test_parameter_count_matches_the_published_one(model_name):
   published, source = PUBLISHED[model_name]
-  count = _param_count(model_name)
+  count = param_count(model_name)
   assert count == pytest.approx(published, rel=0.01), f"{model_name}: {count:,} vs {published:,} ({source})"
 
 
 @pytest.mark.parametrize("model_name", sorted(UNPUBLISHED))
 def test_parameter_count_matches_the_closed_form(model_name):
   expected, _ = UNPUBLISHED[model_name]
-  assert _param_count(model_name) == expected
+  assert param_count(model_name) == expected
 
 
 def test_deepseek3_with_multi_token_prediction_matches_685b():
   """DeepSeek-V3 Technical Report: 685B with the MTP module. MaxText shares the embedding and head with it (the
   checkpoint keeps copies, 2 x 129280 x 7168 = 1.85B): 682.64B here."""
-  assert _param_count("deepseek3-671b", "mtp_num_layers=1") == pytest.approx(685e9, rel=0.01)
+  assert param_count("deepseek3-671b", "mtp_num_layers=1") == pytest.approx(685e9, rel=0.01)
