@@ -17,10 +17,14 @@ from safetensors.numpy import load_file, save_file
 
 from MaxText.errors import UserError
 from MaxText.hf_conversion import converter, gpt_oss, logit_check, mxfp4, peft
-from MaxText.inference import decoding
-from MaxText.runtime import mesh
 from MaxText.tests.helpers import lora_run, run_python, tiny_args
-from MaxText.tests.tiny_models import HF_TINY, exports_give_our_logits, randomize_hf_weights, step0_losses
+from MaxText.tests.tiny_models import (
+  HF_TINY,
+  exports_give_our_logits,
+  greedy_against_transformers,
+  randomize_hf_weights,
+  step0_losses,
+)
 
 torch.set_num_threads(1)
 
@@ -164,38 +168,13 @@ def test_step0_training_loss_is_transformers_cross_entropy(converted):
 
 def test_greedy_decoding_with_the_cache_equals_transformers_generate(converted):
   """A 6-token prompt and 34 generated tokens: the cache runs past the sliding window (16) of layer 0."""
-  hf_dir, maxtext_dir = converted
-  model_yml, params_dir = _paths(maxtext_dir)
   prompt = [1, 5, 9, 200, 7, 31]
-  config = converter.maxtext_config(
-    model_yml,
-    load_parameters_path=params_dir,
-    dtype="float32",
-    weight_dtype="float32",
-    max_target_length=40,
-    max_prefill_predict_length=6,
-    per_device_batch_size=1,
-    decode_sampling_strategy="greedy",
+  ours, logits, theirs, hf_logits = greedy_against_transformers(
+    *converted, prompt, max_target_length=40, max_prefill_predict_length=6
   )
-  device_mesh = mesh.create_device_mesh(config)
-  model, abstract = decoding.build(config, device_mesh)
-  params = decoding.load_params(config, model, abstract, device_mesh)
-  with jax.default_matmul_precision("float32"):
-    ours = decoding.generate(config, model, params, device_mesh, prompt, keep_logits=True)
-  reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
-  with torch.no_grad():
-    out = reference.generate(
-      torch.tensor([prompt]),
-      max_new_tokens=ours.tokens.shape[1],
-      do_sample=False,
-      pad_token_id=0,
-      output_logits=True,
-      return_dict_in_generate=True,
-    )
-  np.testing.assert_array_equal(ours.tokens[0], out.sequences[0, len(prompt) :].numpy())
-  assert len(set(ours.tokens[0].tolist())) > 5  # a generation that varies, not one token repeated
-  hf_logits = torch.stack(out.logits, axis=1)[0].numpy()  # (N, V)
-  np.testing.assert_allclose(ours.logits[0], hf_logits, atol=TOLERANCE, rtol=0)
+  np.testing.assert_array_equal(ours, theirs)
+  assert len(set(ours.tolist())) > 5  # a generation that varies, not one token repeated
+  np.testing.assert_allclose(logits, hf_logits, atol=TOLERANCE, rtol=0)
 
 
 @pytest.mark.slow

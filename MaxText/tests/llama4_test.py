@@ -17,7 +17,7 @@ import transformers
 from safetensors import safe_open
 
 from MaxText.hf_conversion import converter, logit_check, maxtext_io
-from MaxText.tests.tiny_models import randomize_hf_weights, step0_losses
+from MaxText.tests.tiny_models import greedy_against_transformers, randomize_hf_weights, step0_losses
 
 TOLERANCE = 1e-4  # float32, as the issue fixes it; never loosened to make a test pass
 VOCAB = 256
@@ -126,33 +126,10 @@ def test_step0_loss_is_transformers_cross_entropy(converted):
 
 def test_greedy_decoding_with_the_cache_equals_transformers_generate(converted):
   """decode.py's path (prefill, then one token at a time over the KV cache) past the first 16-token chunk."""
-  from MaxText.inference import decoding  # pylint: disable=import-outside-toplevel
-  from MaxText.runtime import mesh  # pylint: disable=import-outside-toplevel
-
-  hf_dir, maxtext_dir = converted
-  model_yml, params_dir = _paths(maxtext_dir)
   prompt = [1, 5, 9, 200, 7, 31]
-  config = converter.maxtext_config(
-    model_yml,
-    load_parameters_path=params_dir,
-    dtype="float32",
-    weight_dtype="float32",
-    max_prefill_predict_length=8,
-    max_target_length=40,  # 32 generated: positions 6 .. 37, over chunks 0 .. 2
-    per_device_batch_size=1,
-    decode_sampling_strategy="greedy",
-  )
-  device_mesh = mesh.create_device_mesh(config)
-  model, abstract = decoding.build(config, device_mesh)
-  params = decoding.load_params(config, model, abstract, device_mesh)
-  ours = decoding.generate(config, model, params, device_mesh, prompt).tokens[0]
-  reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
-  reference.generation_config.eos_token_id = (
-    None  # ours runs on past an end token (end_ids=()); min_new_tokens would mask it
-  )
-  with torch.no_grad():
-    out = reference.generate(torch.tensor([prompt]), max_new_tokens=len(ours), do_sample=False, pad_token_id=0)
-  np.testing.assert_array_equal(ours, out[0, len(prompt) :].numpy())
+  # 32 generated: positions 6 .. 37, over chunks 0 .. 2
+  ours, _, theirs, _ = greedy_against_transformers(*converted, prompt, max_prefill_predict_length=8, max_target_length=40)
+  np.testing.assert_array_equal(ours, theirs)
 
 
 # Each preset as transformers' Llama4TextConfig (the released config.json's text_config).

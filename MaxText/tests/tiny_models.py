@@ -468,3 +468,50 @@ def exports_give_our_logits(tmp_path, run_dir, hf_dir, base_params, model_yml, t
   assert np.max(np.abs(base_logits - ours)) > 1e-2  # the adapters moved the model
   assert peft_diff < 1e-4 and merged_diff < 1e-4
   return ours
+
+
+def greedy_against_transformers(hf_dir: str, maxtext_dir: str, prompt: list[int], **keys):
+  """Greedy decoding of `prompt` on a converted model (decode.py's path: prefill, then a token at a time over the KV
+  cache) and transformers' `generate` on hf_dir's model, as many tokens each, past any end token.
+
+  Args:
+    hf_dir, maxtext_dir: the HF model and its conversion.
+    prompt: token ids.
+    **keys: config keys (max_target_length, max_prefill_predict_length) over the converted model.yml's.
+  Returns:
+    (our tokens (N,), our logits (N, V), transformers' tokens (N,), transformers' logits (N, V)).
+  """
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+
+  from MaxText.hf_conversion import converter  # pylint: disable=import-outside-toplevel
+  from MaxText.inference import decoding  # pylint: disable=import-outside-toplevel
+  from MaxText.runtime import mesh  # pylint: disable=import-outside-toplevel
+
+  config = converter.maxtext_config(
+    os.path.join(maxtext_dir, converter.MODEL_YML),
+    load_parameters_path=os.path.join(maxtext_dir, converter.PARAMS_DIR),
+    dtype="float32",
+    weight_dtype="float32",
+    per_device_batch_size=1,
+    decode_sampling_strategy="greedy",
+    **keys,
+  )
+  device_mesh = mesh.create_device_mesh(config)
+  model, abstract = decoding.build(config, device_mesh)
+  params = decoding.load_params(config, model, abstract, device_mesh)
+  with jax.default_matmul_precision("float32"):
+    ours = decoding.generate(config, model, params, device_mesh, prompt, keep_logits=True)
+  reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+  reference.generation_config.eos_token_id = None  # ours runs on past an end token (end_ids=())
+  with torch.no_grad():
+    out = reference.generate(
+      torch.tensor([prompt]),
+      max_new_tokens=ours.tokens.shape[1],
+      do_sample=False,
+      pad_token_id=0,
+      output_logits=True,
+      return_dict_in_generate=True,
+    )
+  hf_logits = torch.stack(out.logits, axis=1)[0].numpy()  # (N, V)
+  return ours.tokens[0], ours.logits[0], out.sequences[0, len(prompt) :].numpy(), hf_logits
