@@ -18,13 +18,8 @@ from safetensors.numpy import load_file, save_file
 from MaxText.errors import UserError
 from MaxText.hf_conversion import converter, gpt_oss, logit_check, mxfp4, peft
 from MaxText.tests.helpers import lora_run, run_python, tiny_args
-from MaxText.tests.tiny_models import (
-  HF_TINY,
-  exports_give_our_logits,
-  greedy_against_transformers,
-  randomize_hf_weights,
-  step0_losses,
-)
+from MaxText.tests.hf_parity import greedy_against_transformers, step0_losses
+from MaxText.tests.tiny_models import HF_TINY, exports_give_our_logits, randomize_hf_weights
 
 torch.set_num_threads(1)
 

@@ -17,7 +17,8 @@ import transformers
 from safetensors import safe_open
 
 from MaxText.hf_conversion import converter, logit_check, maxtext_io
-from MaxText.tests.tiny_models import greedy_against_transformers, randomize_hf_weights, step0_losses
+from MaxText.tests.hf_parity import greedy_against_transformers, step0_losses
+from MaxText.tests.tiny_models import randomize_hf_weights
 
 TOLERANCE = 1e-4  # float32, as the issue fixes it; never loosened to make a test pass
 VOCAB = 256
