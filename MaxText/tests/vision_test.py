@@ -15,8 +15,8 @@ import torch  # requirements-test.txt
 import transformers
 
 from MaxText.hf_conversion import converter, logit_check
-from MaxText.input_pipeline import images
 from MaxText.tests.helpers import run_python
+from MaxText.tests.image_records import word_tokenizer, write_records
 from MaxText.tests.tiny_models import HF_FAMILIES, HF_GEMMA3_VISION, HF_TINY, hf_tensors, randomize_hf_weights
 
 TOLERANCE = 1e-4  # float32; never loosened to make a test pass
@@ -162,36 +162,6 @@ def test_fsdp_and_tensor_parallel_give_one_device(tmp_path):
   assert sharded["fc1_kernel_shard"] == [8, 2, 32]  # [embed / fsdp 4, layers, mlp / tensor 2]
 
 
-def _word_tokenizer(path, words) -> str:
-  """A whitespace word tokenizer.json whose image tokens have the tiny model's ids (IMAGE, BOI, EOI)."""
-  from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers  # pylint: disable=import-outside-toplevel
-
-  vocab = {"<unk>": 0, **{w: i + 1 for i, w in enumerate(sorted(set(words)))}}
-  vocab.update({images.IMAGE_TOKEN: IMAGE, images.BOI: BOI, images.EOI: EOI})
-  tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-  tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-  tokenizer.add_special_tokens([AddedToken(t, special=True) for t in (images.IMAGE_TOKEN, images.BOI, images.EOI)])
-  tokenizer.save(str(path))
-  return str(path)
-
-
-def _write_records(records, directory, kind: str) -> str:
-  """The records as JSON lines (images: paths relative to the file) or as Parquet (a datasets Image column: PIL
-  images when read); returns the file."""
-  import datasets  # pylint: disable=import-outside-toplevel
-  from PIL import Image  # pylint: disable=import-outside-toplevel
-
-  if kind == "json":
-    (directory / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    return str(directory / "data.jsonl")
-  opened = [dict(r, images=[Image.open(directory / name) for name in r["images"]]) for r in records]
-  features = datasets.Features(
-    {"prompt": datasets.Value("string"), "completion": datasets.Value("string"), "images": [datasets.Image()]}
-  )
-  datasets.Dataset.from_list(opened, features=features).to_parquet(str(directory / "data.parquet"))
-  return str(directory / "data.parquet")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["json", "parquet"])
 def test_image_sft_step0_loss_is_transformers_masked_cross_entropy(converted, tmp_path, capsys, kind):
@@ -229,8 +199,8 @@ def test_image_sft_step0_loss_is_transformers_masked_cross_entropy(converted, tm
     per_device_batch_size=3,
     dataset_type="hf",
     hf_path=kind,
-    hf_train_files=_write_records(records, tmp_path, kind),
-    tokenizer_path=_word_tokenizer(tmp_path / "tokenizer.json", words),
+    hf_train_files=write_records(records, tmp_path, kind),
+    tokenizer_path=word_tokenizer(tmp_path / "tokenizer.json", words, (IMAGE, BOI, EOI)),
     use_sft=True,
     train_data_columns=["prompt", "completion"],
     sft_train_on_completion_only=True,
@@ -286,3 +256,66 @@ def test_decoding_with_an_image_gives_transformers_logits(converted):
   expected = _hf_logits(reference, sequence, pixels[None])[0, len(prompt) - 1 : -1]
   max_abs, _ = logit_check.compare(expected, result.logits[0])
   assert result.tokens.shape[1] == 8 and max_abs < TOLERANCE, max_abs
+
+
+def _shapes_run(tmp_path, name: str, eval_file: str, files: dict, eval_interval: int) -> tuple[list[float], list[float]]:
+  """train.py on the drawn shapes (30 steps, the tiny model of vision_layouts with images, from its random init),
+  evaluating on eval_file every eval_interval steps; returns (train losses, held-out losses)."""
+  from MaxText.tests.helpers import run_train  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.vision_layouts import ARGS  # pylint: disable=import-outside-toplevel
+
+  result, metrics = run_train(
+    tmp_path,
+    name,
+    *ARGS,
+    "steps=30",
+    "warmup_steps_fraction=0.1",  # the learning rate is 0 at step 0: the first eval is the initial params'
+    "max_target_length=16",
+    "per_device_batch_size=8",
+    "max_num_images_per_example=1",
+    "enable_checkpointing=false",
+    "dataset_type=hf",
+    "hf_path=json",
+    f"hf_train_files={files['train']}",
+    f"hf_eval_files={eval_file}",
+    f"tokenizer_path={files['tokenizer']}",
+    "use_sft=true",
+    "train_data_columns=[prompt,completion]",
+    "sft_train_on_completion_only=true",
+    "packing=false",
+    "add_bos=false",
+    "add_eos=false",
+    f"eval_interval={eval_interval}",
+    "eval_steps=1",
+    f"eval_per_device_batch_size={files['held_out']}",
+  )
+  assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+  train = [m["learning/loss"] for m in metrics if "learning/loss" in m]
+  return train, [m["eval/loss"] for m in metrics if "eval/loss" in m]
+
+
+@pytest.mark.slow
+def test_training_on_drawn_shapes_learns_to_read_the_images(tmp_path):
+  """The issue's learning test: 30 steps of image-text SFT on coloured shapes drawn with PIL, captioned "a red
+  circle", lower the held-out loss (other drawings of the same 9 kinds), and after training the held-out loss with
+  the right images is below the loss with the images shuffled (each caption given another colour and shape's
+  image): the model reads its images. Two train.py runs, the same but for the eval file."""
+  from MaxText.tests.image_records import shape_records  # pylint: disable=import-outside-toplevel
+
+  train, held_out = shape_records(tmp_path, 8, seed=0, prefix="train"), shape_records(tmp_path, 2, seed=1, prefix="eval")
+  # Shifted by 4 of the 9 kinds, every image lands on a caption of another colour and another shape.
+  shuffled = [dict(r, images=held_out[(i + 4) % len(held_out)]["images"]) for i, r in enumerate(held_out)]
+  words = " ".join(r["prompt"] + " " + r["completion"] for r in train).split()
+  files = {
+    "train": write_records(train, tmp_path, "json", "train"),
+    "tokenizer": word_tokenizer(tmp_path / "tokenizer.json", words, (4000, 3001, 3002)),  # vision_layouts' ids
+    "held_out": len(held_out),
+  }
+  # Every step's eval, the first after step 0 (learning rate 0): the initial params'.
+  losses, right = _shapes_run(tmp_path, "right", write_records(held_out, tmp_path, "json", "eval_right"), files, 1)
+  shuffled_file = write_records(shuffled, tmp_path, "json", "eval_shuffled")
+  losses_again, [wrong] = _shapes_run(tmp_path, "shuffled", shuffled_file, files, 30)
+  print(f"\nheld-out loss {right[0]:.4f} -> {right[-1]:.4f}; with shuffled images {wrong:.4f}")
+  assert losses_again == losses and len(right) == 30  # the same training, only the eval differs
+  assert right[-1] < 0.5 * right[0]
+  assert right[-1] < 0.5 * wrong
