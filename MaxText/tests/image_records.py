@@ -13,10 +13,20 @@ SHAPES = ("circle", "square", "triangle")
 
 def word_tokenizer(path, words, image_ids: tuple[int, int, int]) -> str:
   """A whitespace word tokenizer.json whose <image_soft_token>, <start_of_image> and <end_of_image> have image_ids."""
+  return _save_word_level({"<unk>": 0, **{w: i + 1 for i, w in enumerate(sorted(set(words)))}}, image_ids, path)
+
+
+def id_tokenizer(path, vocab_size: int, image_ids: tuple[int, int, int]) -> str:
+  """A whitespace tokenizer.json with a word per id ("t17" is 17; 0 is <unk>) and the image tokens at image_ids: the
+  text a model generates spells its ids."""
+  vocab = {"<unk>": 0, **{f"t{i}": i for i in range(1, vocab_size) if i not in image_ids}}
+  return _save_word_level(vocab, image_ids, path)
+
+
+def _save_word_level(vocab: dict, image_ids: tuple[int, int, int], path) -> str:
   from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers  # pylint: disable=import-outside-toplevel
 
-  vocab = {"<unk>": 0, **{w: i + 1 for i, w in enumerate(sorted(set(words)))}}
-  vocab.update(dict(zip((images.IMAGE_TOKEN, images.BOI, images.EOI), image_ids)))
+  vocab = {**vocab, **dict(zip((images.IMAGE_TOKEN, images.BOI, images.EOI), image_ids))}
   tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
   tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
   tokenizer.add_special_tokens([AddedToken(t, special=True) for t in (images.IMAGE_TOKEN, images.BOI, images.EOI)])

@@ -15,6 +15,7 @@ import torch  # requirements-test.txt
 import transformers
 
 from MaxText.hf_conversion import converter, logit_check
+from MaxText.input_pipeline import images
 from MaxText.tests.helpers import run_python
 from MaxText.tests.image_records import word_tokenizer, write_records
 from MaxText.tests.tiny_models import HF_FAMILIES, HF_GEMMA3_VISION, HF_TINY, hf_tensors, randomize_hf_weights
@@ -319,3 +320,57 @@ def test_training_on_drawn_shapes_learns_to_read_the_images(tmp_path):
   assert losses_again == losses and len(right) == 30  # the same training, only the eval differs
   assert right[-1] < 0.5 * right[0]
   assert right[-1] < 0.5 * wrong
+
+
+@pytest.mark.slow
+def test_decode_py_with_an_image_generates_transformers_tokens(converted, tmp_path):
+  """decode.py's command line (a prompt with <|image|>, image_path, greedy) on the converted model generates the
+  tokens of transformers' generate(do_sample=False) from Gemma3Processor's inputs (pixel_values, token_type_ids) for
+  the same prompt and image. A tokenizer with a word per id ("t17") makes the text decode.py prints spell the ids."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from PIL import Image  # pylint: disable=import-outside-toplevel
+
+  from MaxText import decode  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.helpers import run_entry_point  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.image_records import id_tokenizer  # pylint: disable=import-outside-toplevel
+
+  _, maxtext_dir, reference, _ = converted
+  tokenizer = id_tokenizer(tmp_path / "tokenizer.json", reference.config.text_config.vocab_size, (IMAGE, BOI, EOI))
+  image = Image.fromarray(np.random.default_rng(11).integers(0, 256, (70, 90, 3), dtype=np.uint8))  # resized to 56
+  image.save(tmp_path / "image.png")
+  argv = [
+    "MaxText/decode.py",
+    os.path.join(maxtext_dir, converter.MODEL_YML),
+    "run_name=decode_image",
+    f"base_output_directory={tmp_path}",
+    f"load_parameters_path={os.path.join(maxtext_dir, converter.PARAMS_DIR)}",
+    f"tokenizer_path={tokenizer}",
+    "prompt=t5 t6 <|image|> t7 t8",
+    f"image_path={tmp_path / 'image.png'}",
+    "decode_sampling_strategy=greedy",
+    "per_device_batch_size=1",
+    "max_prefill_predict_length=16",
+    "max_target_length=24",
+    "dtype=float32",
+    "weight_dtype=float32",
+    "add_bos=false",
+  ]
+  with jax.default_matmul_precision("float32"):
+    result = run_entry_point(decode.main, argv)
+  assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+  [line] = [x for x in (result.stdout + result.stderr).splitlines() if "Input `" in x]
+  ours = [int(word[1:]) for word in line.split("-> `", 1)[1].rstrip("`").split()]
+
+  named = {"boi_token": images.BOI, "eoi_token": images.EOI, "image_token": images.IMAGE_TOKEN}
+  processor = transformers.Gemma3Processor(
+    image_processor=transformers.Gemma3ImageProcessorPil(size={"height": 56, "width": 56}),
+    tokenizer=transformers.PreTrainedTokenizerFast(tokenizer_file=tokenizer, extra_special_tokens=named),
+    image_seq_length=SOFT_TOKENS,
+  )
+  inputs = processor(text=f"t5 t6 {images.BOI} t7 t8", images=[image], return_tensors="pt")
+  reference.generation_config.eos_token_id = None  # decode.py's rows have no end token here (the tokenizer has none)
+  with torch.no_grad():
+    generated = reference.generate(**inputs, max_new_tokens=8, do_sample=False, pad_token_id=0)
+  expected = generated[0, inputs["input_ids"].shape[1] :].tolist()
+  print(f"\ndecode.py: {ours}\ntransformers: {expected}")
+  assert len(expected) == 8 and ours == expected
