@@ -5,6 +5,8 @@ transformers' SiglipVisionModel and Gemma3MultiModalProjector compute them.
 Param names follow the reference checkpoint (embeddings/patch_embedding, encoder layers' layer_norm1, self_attn
 q/k/v/out_proj, layer_norm2, mlp fc1/fc2, post_layernorm; mm_soft_emb_norm, mm_input_projection), so the conversion
 is a table. The encoder's dense layers multiply plainly (linears.PLAIN): LoRA and quantization act on the text model.
+Its params have logical axes of their own (vit_embed, vit_heads, vit_mlp), which base.yml's logical_axis_rules map
+as the decoder's embed, heads and mlp; the projector's output dim is the text's embed.
 """
 
 import flax.linen as nn
@@ -42,13 +44,13 @@ class VisionAttention(nn.Module):
     batch, patches, _ = x.shape
 
     def project(name):  # (B, P, N*D) -> (B, P, N, D)
-      y = _dense(cfg, width, ("embed", "heads"), name)(x)
+      y = _dense(cfg, width, ("vit_embed", "vit_heads"), name)(x)
       return checkpoint_name(y, name).reshape(batch, patches, heads, head_dim)
 
     query, key, value = project("q_proj") * head_dim**-0.5, project("k_proj"), project("v_proj")
     everywhere = jnp.ones((1, 1, 1, patches, patches), bool)
     out = masked_attention(query, key, value, everywhere).reshape(batch, patches, width)  # (B, P, N*D)
-    return _dense(cfg, width, ("heads", "embed"), "out_proj")(out)
+    return _dense(cfg, width, ("vit_heads", "vit_embed"), "out_proj")(out)
 
 
 class VisionLayer(nn.Module):
@@ -63,8 +65,8 @@ class VisionLayer(nn.Module):
     cfg = self.config
     x = nn.with_logical_constraint(x, _ACTS)
     x = x + VisionAttention(cfg, name="self_attn")(_layer_norm(cfg, "layer_norm1")(x))
-    h = _dense(cfg, cfg.intermediate_size_for_vit, ("embed", "mlp"), "fc1")(_layer_norm(cfg, "layer_norm2")(x))
-    h = _dense(cfg, cfg.hidden_size_for_vit, ("mlp", "embed"), "fc2")(ACTIVATIONS[ACTIVATION](h))
+    h = _dense(cfg, cfg.intermediate_size_for_vit, ("vit_embed", "vit_mlp"), "fc1")(_layer_norm(cfg, "layer_norm2")(x))
+    h = _dense(cfg, cfg.hidden_size_for_vit, ("vit_mlp", "vit_embed"), "fc2")(ACTIVATIONS[ACTIVATION](h))
     x = x + h  # (B, P, E)
     return (x, None) if self.scanned else x
 
@@ -114,14 +116,14 @@ class VisionEncoder(nn.Module):
     x = x.transpose(0, 2, 4, 1, 3, 5).reshape(batch, side * side, channels, patch, patch)  # (B, P, C, p, p), row-major
     x = DenseGeneral(
       width,
-      (None, None, None, "embed"),
+      (None, None, None, "vit_embed"),
       axis=(-3, -2, -1),
       dtype=cfg.dtype_mm,
       weight_dtype=cfg.weight_dtype,
       use_bias=True,
       name="patch_embedding",
     )(x)
-    init = nn.with_logical_partitioning(nn.initializers.normal(0.02), (None, "embed"))
+    init = nn.with_logical_partitioning(nn.initializers.normal(0.02), (None, "vit_embed"))
     positions = self.param("position_embedding", init, (side * side, width), cfg.weight_dtype)
     return nn.with_logical_constraint(x + positions.astype(cfg.dtype_mm), _ACTS)
 

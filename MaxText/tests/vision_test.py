@@ -2,8 +2,10 @@
 56-pixel images, 16 patches pooled to 4 soft tokens; the 8-layer text model of convert_checkpoint_test with a sliding
 window of 3, shorter than an image's run of soft tokens) converted with to_maxtext gives transformers' logits within
 1e-4 (float32) with one image, two images in a row, and none; to_hf gives back the same bytes, and the exported model
-loads with from_pretrained to the same logits. Slow: the encoder and train steps on fsdp 4 x tensor 2 give one
-device's soft tokens and losses (vision_layouts.py), with the frozen encoder out of the optimizer.
+loads with from_pretrained to the same logits; the encoder's params have logical axes of their own. Slow: the encoder
+and train steps on fsdp 4 x tensor 2 give one device's soft tokens and losses (vision_layouts.py), with the frozen
+encoder out of the optimizer; image-text SFT's step-0 loss is transformers'; decode.py with an image generates
+transformers' tokens; 30 train.py steps on drawn shapes learn to read the images.
 """
 
 import json
@@ -139,6 +141,44 @@ def test_lora_adapts_the_text_model_only(converted):
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(shapes)]
   adapted = {p.split("'")[1] for p in paths if "lora_a" in p}
   assert adapted == {"decoder"}, adapted
+
+
+def _mesh_axes(config) -> dict:
+  """The mesh axes of the encoder's and the decoder's MLP and query kernels under config's logical_axis_rules."""
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+
+  from MaxText.training import training_setup  # pylint: disable=import-outside-toplevel
+
+  model, tokens = training_setup.create_model(config), np.zeros((1, 32), np.int32)
+  specs = nn.get_partition_spec(jax.eval_shape(lambda: model.init({"params": jax.random.PRNGKey(0)}, tokens, tokens)))
+  encoder, decoder = specs["params"]["vision_encoder"]["layers"], specs["params"]["decoder"]["layers"]
+  kernels = {
+    "fc1": encoder["fc1"]["kernel"],
+    "fc2": encoder["fc2"]["kernel"],
+    "q_proj": encoder["self_attn"]["q_proj"]["kernel"],
+    "wi_0": decoder["mlp"]["wi_0"]["kernel"],
+    "wo": decoder["mlp"]["wo"]["kernel"],
+    "query": decoder["self_attention"]["query"]["kernel"][:3],  # [embed, layers, heads] (less head_dim)
+  }
+  return {name: tuple(nn.logical_to_mesh_axes(spec, config.logical_axis_rules)) for name, spec in kernels.items()}
+
+
+def test_the_encoder_has_logical_axes_of_its_own():
+  """The encoder's params name vit_embed, vit_heads and vit_mlp: base.yml's rules lay them out as the decoder's
+  embed, heads and mlp, and rules of a run's own can lay out the encoder alone differently (here replicated)."""
+  from MaxText.tests.helpers import tiny_config  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.vision_layouts import ARGS  # pylint: disable=import-outside-toplevel
+
+  config = tiny_config(*ARGS)
+  axes = _mesh_axes(config)
+  assert (axes["fc1"], axes["fc2"], axes["q_proj"]) == (axes["wi_0"], axes["wo"], axes["query"])
+  assert axes["fc1"][0] == ("fsdp", "sequence", "context", "expert")  # the rules are not empty
+  replicated = [r for r in config.logical_axis_rules if not r[0].startswith("vit_")]
+  replicated += [["vit_embed", []], ["vit_heads", []], ["vit_mlp", []]]
+  own = _mesh_axes(tiny_config(*ARGS, logical_axis_rules=replicated))
+  assert own["fc1"] == own["fc2"] == own["q_proj"] == (None, "stage", None)
+  assert (own["wi_0"], own["wo"], own["query"]) == (axes["wi_0"], axes["wo"], axes["query"])
 
 
 @pytest.mark.slow
