@@ -35,8 +35,8 @@ def _save_word_level(vocab: dict, image_ids: tuple[int, int, int], path) -> str:
 
 
 def write_records(records, directory, kind: str, name: str = "data") -> str:
-  """The records as JSON lines (images: paths relative to the file) or as Parquet (a datasets Image column: PIL
-  images when read); returns the file."""
+  """The records as JSON lines (images: paths relative to the file), or as Parquet or Arrow (a datasets Image column:
+  PIL images when read); returns the file."""
   import datasets  # pylint: disable=import-outside-toplevel
   from PIL import Image  # pylint: disable=import-outside-toplevel
 
@@ -47,7 +47,11 @@ def write_records(records, directory, kind: str, name: str = "data") -> str:
   features = datasets.Features(
     {"prompt": datasets.Value("string"), "completion": datasets.Value("string"), "images": [datasets.Image()]}
   )
-  datasets.Dataset.from_list(opened, features=features).to_parquet(str(directory / f"{name}.parquet"))
+  dataset = datasets.Dataset.from_list(opened, features=features)
+  if kind == "arrow":  # save_to_disk's Arrow stream file, as datasets writes one
+    dataset.save_to_disk(str(directory / name))
+    return str(next((directory / name).glob("*.arrow")))
+  dataset.to_parquet(str(directory / f"{name}.parquet"))
   return str(directory / f"{name}.parquet")
 
 

@@ -204,7 +204,7 @@ def test_fsdp_and_tensor_parallel_give_one_device(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["json", "parquet"])
+@pytest.mark.parametrize("kind", ["json", "parquet", "arrow"])
 def test_image_sft_step0_loss_is_transformers_masked_cross_entropy(converted, tmp_path, capsys, kind):
   """Image-text SFT from JSON lines with relative image paths, or Parquet with an Image column (packing=false,
   completion only): the first batch's loss equals transformers' cross-entropy over the completions (relative 1e-4);
