@@ -14,9 +14,9 @@ import torch  # requirements-test.txt
 import transformers
 
 from MaxText.checkpoints import checkpointing
-from MaxText.hf_conversion import converter, logit_check, maxtext_io
+from MaxText.hf_conversion import converter, logit_check
 from MaxText.tests.helpers import run_python
-from MaxText.tests.hf_parity import step0_losses
+from MaxText.tests.hf_parity import assert_round_trip_is_bitwise, maxtext_params, step0_losses
 from MaxText.tests.tiny_models import HF_FAMILIES, HF_LLAMA31_ROPE, HF_TINY, build_hf_model, hf_tensors, randomize_hf_weights
 
 TOLERANCE = 1e-4  # float32, as the issue fixes it; never loosened to make a test pass
@@ -41,11 +41,6 @@ def converted(tmp_path_factory):
     print("\nfamily            max_abs_diff   kl")
     for family, (max_abs, kl) in PARITY.items():
       print(f"{family:<17} {max_abs:<14.3g} {kl:.3g}")
-
-
-def _params(maxtext_dir: str) -> dict:
-  reader = maxtext_io.ParamsReader(os.path.join(maxtext_dir, converter.PARAMS_DIR))
-  return {keys: maxtext_io.read(store) for keys, store in reader.params().items()}
 
 
 def _logits(maxtext_dir: str, tokens, **kwargs):
@@ -73,17 +68,7 @@ def test_step0_training_loss_is_transformers_cross_entropy(converted, family):
 @pytest.mark.parametrize("family", list(HF_FAMILIES))
 def test_round_trips_are_bitwise(converted, family, tmp_path):
   hf_dir, maxtext_dir = converted(family)
-  hf_out = converter.to_hf(maxtext_dir, str(tmp_path / "hf_out"))
-  original, back = hf_tensors(hf_dir), hf_tensors(hf_out)
-  assert sorted(original) == sorted(back)
-  for name, tensor in original.items():
-    assert tensor.dtype == back[name].dtype and torch.equal(tensor, back[name]), name
-
-  converter.to_maxtext(hf_out, str(tmp_path / "maxtext_again"))
-  first, again = _params(maxtext_dir), _params(str(tmp_path / "maxtext_again"))
-  assert sorted(first) == sorted(again)
-  for keys, value in first.items():
-    assert value.dtype == again[keys].dtype and np.array_equal(value, again[keys]), keys
+  hf_out = assert_round_trip_is_bitwise(hf_dir, maxtext_dir, str(tmp_path))
 
   tokens = logit_check.random_tokens(HF_TINY["vocab_size"])
   np.testing.assert_array_equal(logit_check.hf_logits(hf_out, tokens), logit_check.hf_logits(hf_dir, tokens))
@@ -118,10 +103,10 @@ def test_bfloat16_sharded_and_bin_checkpoints_convert_alike(tmp_path):
   outs = {name: str(tmp_path / f"out_{name}") for name in ("single", "sharded", "bin")}
   for name, source in (("single", single), ("sharded", sharded), ("bin", bin_dir)):
     converter.to_maxtext(source, outs[name])
-  reference = _params(outs["single"])
+  reference = maxtext_params(outs["single"])
   assert {v.dtype.name for v in reference.values()} == {"bfloat16"}
   for name in ("sharded", "bin"):
-    other = _params(outs[name])
+    other = maxtext_params(outs[name])
     assert all(np.array_equal(reference[k], other[k]) for k in reference), name
   hf_out = converter.to_hf(outs["single"], str(tmp_path / "hf_out"))
   original, back = hf_tensors(single), hf_tensors(hf_out)
@@ -156,7 +141,7 @@ def test_checkpoint_loads_in_either_layout(converted, tmp_path):
   checkpointer.save(per_layer_dir, {"params": per_layer})
   checkpointer.wait_until_finished()
   restacked = checkpointing.load_params(per_layer_dir, _abstract(maxtext_dir, scan_layers=True))
-  original = _params(maxtext_dir)
+  original = maxtext_params(maxtext_dir)
   flat = {tuple(str(k.key) for k in path): np.asarray(v) for path, v in _flatten(restacked)}
   assert sorted(flat) == sorted(original)
   for keys, value in original.items():

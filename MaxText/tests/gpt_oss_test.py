@@ -18,8 +18,8 @@ from safetensors.numpy import load_file, save_file
 from MaxText.errors import UserError
 from MaxText.hf_conversion import converter, gpt_oss, logit_check, mxfp4, peft
 from MaxText.tests.helpers import lora_run, run_python, tiny_args
-from MaxText.tests.hf_parity import greedy_against_transformers, step0_losses
-from MaxText.tests.tiny_models import HF_TINY, exports_give_our_logits, randomize_hf_weights
+from MaxText.tests.hf_parity import assert_round_trip_is_bitwise, greedy_against_transformers, step0_losses
+from MaxText.tests.tiny_models import HF_TINY, TINY_GPT_OSS, exports_give_our_logits, randomize_hf_weights
 
 torch.set_num_threads(1)
 
@@ -42,21 +42,6 @@ HF_GPT_OSS = dict(
   },
 )
 TOLERANCE = 1e-4
-
-# A tiny GPT-OSS: every option of the family on the tiny model's dims (4 experts, window 8 of 32 tokens).
-TINY_GPT_OSS = [
-  "decoder_block=gpt_oss",
-  "num_experts=4",
-  "num_experts_per_tok=2",
-  "sliding_window_size=8",
-  "attention_sink=true",
-  "mlp_bias=true",
-  "routed_bias=true",
-  "mlp_activations_limit=7.0",
-  "rope_type=yarn",
-  "rope_factor=4",
-  "original_max_position_embeddings=16",
-]
 
 
 def _hf_model(directory: str) -> str:
@@ -97,13 +82,8 @@ def test_logits_match_transformers_across_both_window_kinds(converted):
 
 
 def test_round_trip_is_bitwise(converted, tmp_path):
-  hf_dir, maxtext_dir = converted
-  converter.to_hf(maxtext_dir, str(tmp_path / "hf"))
-  before, after = load_file(os.path.join(hf_dir, "model.safetensors")), load_file(str(tmp_path / "hf" / "model.safetensors"))
-  assert sorted(before) == sorted(after)
-  for name, value in before.items():
-    np.testing.assert_array_equal(after[name], value, err_msg=name)
-  with open(tmp_path / "hf" / "config.json", encoding="utf-8") as f:
+  hf_out = assert_round_trip_is_bitwise(*converted, str(tmp_path))
+  with open(os.path.join(hf_out, "config.json"), encoding="utf-8") as f:
     written = transformers.GptOssConfig(**json.load(f))
   assert written.layer_types == transformers.GptOssConfig(**HF_GPT_OSS).layer_types
   assert written.rope_parameters["truncate"] is False and written.swiglu_limit == 7.0

@@ -91,3 +91,32 @@ def greedy_against_transformers(hf_dir: str, maxtext_dir: str, prompt: list[int]
     )
   hf_logits = torch.stack(out.logits, axis=1)[0].numpy()  # (N, V)
   return ours.tokens[0], ours.logits[0], out.sequences[0, len(prompt) :].numpy(), hf_logits
+
+
+def maxtext_params(maxtext_dir: str) -> dict:
+  """{keys: np.ndarray} of a converted checkpoint's params."""
+  from MaxText.hf_conversion import converter, maxtext_io  # pylint: disable=import-outside-toplevel
+
+  reader = maxtext_io.ParamsReader(os.path.join(maxtext_dir, converter.PARAMS_DIR))
+  return {keys: maxtext_io.read(store) for keys, store in reader.params().items()}
+
+
+def assert_round_trip_is_bitwise(hf_dir: str, maxtext_dir: str, out_dir) -> str:
+  """to_hf of maxtext_dir (a conversion of hf_dir) writes hf_dir's tensors bitwise (names, dtypes, values), and
+  to_maxtext of that export gives maxtext_dir's params bitwise; returns the export's directory."""
+  import torch  # pylint: disable=import-outside-toplevel
+
+  from MaxText.hf_conversion import converter  # pylint: disable=import-outside-toplevel
+  from MaxText.tests.tiny_models import hf_tensors  # pylint: disable=import-outside-toplevel
+
+  hf_out = converter.to_hf(maxtext_dir, os.path.join(out_dir, "hf_out"))
+  original, back = hf_tensors(hf_dir), hf_tensors(hf_out)
+  assert sorted(original) == sorted(back)
+  for name, tensor in original.items():
+    assert tensor.dtype == back[name].dtype and torch.equal(tensor, back[name]), name
+  converter.to_maxtext(hf_out, os.path.join(out_dir, "maxtext_again"))
+  first, again = maxtext_params(maxtext_dir), maxtext_params(os.path.join(out_dir, "maxtext_again"))
+  assert sorted(first) == sorted(again)
+  for keys, value in first.items():
+    assert value.dtype == again[keys].dtype and np.array_equal(value, again[keys]), keys
+  return hf_out

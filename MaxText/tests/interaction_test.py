@@ -23,7 +23,7 @@ from MaxText.tests.helpers import (
   run_python,
   write_data_files,
 )
-from MaxText.tests.tiny_models import DEEPSEEK
+from MaxText.tests.tiny_models import DEEPSEEK, TINY_GPT_OSS, TINY_LLAMA4
 
 STEPS = 3
 ROWS = 8  # the global batch: 1 row per device on 8 devices, 8 rows on 1
@@ -88,36 +88,8 @@ BLOCKS = {
   "deepseek": DEEPSEEK,
   "mixtral": ["decoder_block=mixtral", "num_experts=4", "num_experts_per_tok=2"],
   "qwen3_moe": ["decoder_block=qwen3_moe", "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=32"],
-  # 8 layers (2 blocks of 4): dense and MoE alternating, the 4th of each block NoPE with temperature tuning (which acts
-  # within 32 tokens at floor 4), chunks of 8 on the others, the L2 q/k norm.
-  "llama4": [
-    "decoder_block=llama4",
-    "base_num_decoder_layers=8",
-    "num_experts=4",
-    "num_experts_per_tok=1",
-    "shared_experts=1",
-    "base_moe_mlp_dim=32",
-    "interleave_moe_layer_step=2",
-    "nope_layer_interval=4",
-    "chunk_attn_window_size=8",
-    "use_qk_norm=true",
-    "temperature_tuning=true",
-    "temperature_tuning_floor_scale=4",
-  ],
-  # Sinks, a window of 5 on the even layers, trained router and expert biases, the clamped SwiGLU, YaRN.
-  "gpt_oss": [
-    "decoder_block=gpt_oss",
-    "num_experts=4",
-    "num_experts_per_tok=2",
-    "sliding_window_size=5",
-    "attention_sink=true",
-    "mlp_bias=true",
-    "routed_bias=true",
-    "mlp_activations_limit=7.0",
-    "rope_type=yarn",
-    "rope_factor=4",
-    "original_max_position_embeddings=16",
-  ],
+  "llama4": [*TINY_LLAMA4, "base_num_decoder_layers=8"],  # 2 blocks of 4: one per pipeline stage
+  "gpt_oss": TINY_GPT_OSS,
 }
 CASES = {**FEATURES, **BLOCKS}
 

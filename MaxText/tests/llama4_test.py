@@ -14,11 +14,10 @@ import numpy as np
 import pytest
 import torch  # requirements-test.txt
 import transformers
-from safetensors import safe_open
 
-from MaxText.hf_conversion import converter, logit_check, maxtext_io
-from MaxText.tests.hf_parity import greedy_against_transformers, step0_losses
-from MaxText.tests.tiny_models import randomize_hf_weights
+from MaxText.hf_conversion import converter, logit_check
+from MaxText.tests.hf_parity import assert_round_trip_is_bitwise, greedy_against_transformers, maxtext_params, step0_losses
+from MaxText.tests.tiny_models import TINY_LLAMA4, randomize_hf_weights
 
 TOLERANCE = 1e-4  # float32, as the issue fixes it; never loosened to make a test pass
 VOCAB = 256
@@ -64,16 +63,6 @@ def _paths(maxtext_dir: str) -> tuple[str, str]:
   return os.path.join(maxtext_dir, converter.MODEL_YML), os.path.join(maxtext_dir, converter.PARAMS_DIR)
 
 
-def _safetensors(hf_dir: str) -> dict:
-  with safe_open(os.path.join(hf_dir, "model.safetensors"), framework="pt") as f:
-    return {k: f.get_tensor(k) for k in f.keys()}
-
-
-def _params(maxtext_dir: str) -> dict:
-  reader = maxtext_io.ParamsReader(os.path.join(maxtext_dir, converter.PARAMS_DIR))
-  return {keys: maxtext_io.read(store) for keys, store in reader.params().items()}
-
-
 def test_logits_match_transformers(converted):
   hf_dir, maxtext_dir = converted
   tokens = logit_check.random_tokens(VOCAB)  # 64 tokens: 4 chunks, 8 temperature steps
@@ -85,16 +74,7 @@ def test_logits_match_transformers(converted):
 
 
 def test_round_trip_is_bitwise(converted, tmp_path):
-  hf_dir, maxtext_dir = converted
-  hf_out = converter.to_hf(maxtext_dir, str(tmp_path / "hf_out"))
-  original, back = _safetensors(hf_dir), _safetensors(hf_out)
-  assert sorted(original) == sorted(back)
-  for name, tensor in original.items():
-    assert tensor.dtype == back[name].dtype and torch.equal(tensor, back[name]), name
-  converter.to_maxtext(hf_out, str(tmp_path / "again"))
-  first, again = _params(maxtext_dir), _params(str(tmp_path / "again"))
-  assert sorted(first) == sorted(again)
-  assert all(np.array_equal(first[k], again[k]) for k in first)
+  assert_round_trip_is_bitwise(*converted, str(tmp_path))
 
 
 def test_text_model_of_conditional_generation_converts(converted, tmp_path, capsys):
@@ -110,7 +90,7 @@ def test_text_model_of_conditional_generation_converts(converted, tmp_path, caps
   model.to(torch.float32).save_pretrained(str(tmp_path / "multimodal"))
   converter.to_maxtext(str(tmp_path / "multimodal"), str(tmp_path / "maxtext"))
   assert "vision tower is left out" in capsys.readouterr().out
-  first, text_only = _params(str(tmp_path / "maxtext")), _params(maxtext_dir)
+  first, text_only = maxtext_params(str(tmp_path / "maxtext")), maxtext_params(maxtext_dir)
   assert sorted(first) == sorted(text_only)
   assert all(np.array_equal(first[k], text_only[k]) for k in first)
   # to_hf writes a Llama4ForCausalLM (config.json the source's text_config) that gives the text model's logits
@@ -211,22 +191,6 @@ def test_flash_chunked_mask_matches_dot_product():
   got = flash_attention(q, k, v, seg, interpret=True, chunk=32)
   np.testing.assert_allclose(got, dot_product_attention(q, k, v, seg, chunk=32), atol=2e-6)
   assert not np.allclose(got, dot_product_attention(q, k, v, seg), atol=1e-3)  # the chunks matter here
-
-
-# The tiny MaxText llama4 of the layout test: one block of 4 layers as the converted one, on helpers.TINY_MODEL's
-# dims (emb 32, 4/2 heads of 8), chunks of 8 of its 32 tokens, the temperature changing every 4 positions.
-TINY_LLAMA4 = [
-  "decoder_block=llama4",
-  "base_num_decoder_layers=4",
-  "num_experts=4",
-  "base_moe_mlp_dim=32",
-  "interleave_moe_layer_step=2",
-  "nope_layer_interval=4",
-  "chunk_attn_window_size=8",
-  "use_qk_norm=true",
-  "temperature_tuning=true",
-  "temperature_tuning_floor_scale=4",
-]
 
 
 @pytest.mark.slow

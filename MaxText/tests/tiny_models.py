@@ -39,6 +39,36 @@ DEEPSEEK = [
   "original_max_position_embeddings=16",
 ]
 
+# A tiny GPT-OSS: every option of the family on the tiny model's dims (4 experts, window 8 of 32 tokens).
+TINY_GPT_OSS = [
+  "decoder_block=gpt_oss",
+  "num_experts=4",
+  "num_experts_per_tok=2",
+  "sliding_window_size=8",
+  "attention_sink=true",
+  "mlp_bias=true",
+  "routed_bias=true",
+  "mlp_activations_limit=7.0",
+  "rope_type=yarn",
+  "rope_factor=4",
+  "original_max_position_embeddings=16",
+]
+
+# A tiny Llama 4: one block of 4 layers (dense and MoE alternating, the 4th NoPE), on helpers.TINY_MODEL's
+# dims (emb 32, 4/2 heads of 8), chunks of 8 of its 32 tokens, the temperature changing every 4 positions.
+TINY_LLAMA4 = [
+  "decoder_block=llama4",
+  "base_num_decoder_layers=4",
+  "num_experts=4",
+  "base_moe_mlp_dim=32",
+  "interleave_moe_layer_step=2",
+  "nope_layer_interval=4",
+  "chunk_attn_window_size=8",
+  "use_qk_norm=true",
+  "temperature_tuning=true",
+  "temperature_tuning_floor_scale=4",
+]
+
 # Tiny configs of each family: the options that make it that family, on TINY_MODEL dims (E=32, D=8, 4/2 heads).
 FAMILIES = {
   "llama2": [

@@ -19,8 +19,9 @@ import transformers
 from MaxText.hf_conversion import converter, logit_check
 from MaxText.input_pipeline import images
 from MaxText.tests.helpers import run_python
+from MaxText.tests.hf_parity import assert_round_trip_is_bitwise
 from MaxText.tests.image_records import word_tokenizer, write_records
-from MaxText.tests.tiny_models import HF_FAMILIES, HF_GEMMA3_VISION, HF_TINY, hf_tensors, randomize_hf_weights
+from MaxText.tests.tiny_models import HF_FAMILIES, HF_GEMMA3_VISION, HF_TINY, randomize_hf_weights
 
 TOLERANCE = 1e-4  # float32; never loosened to make a test pass
 IMAGE, BOI, EOI = 250, 251, 252  # the tiny vocabulary's image soft token, start and end of image
@@ -117,11 +118,7 @@ def test_per_layer_run_loads_the_scanned_conversion(converted):
 
 def test_round_trip_is_bitwise_and_reloads(converted, tmp_path):
   hf_dir, maxtext_dir, reference, _ = converted
-  hf_out = converter.to_hf(maxtext_dir, str(tmp_path / "hf_out"))
-  original, back = hf_tensors(hf_dir), hf_tensors(hf_out)
-  assert sorted(original) == sorted(back)
-  for name, tensor in original.items():
-    assert tensor.dtype == back[name].dtype and torch.equal(tensor, back[name]), name
+  hf_out = assert_round_trip_is_bitwise(hf_dir, maxtext_dir, str(tmp_path))
   tokens, images = _case("two_images")
   np.testing.assert_array_equal(_hf_logits(_hf_model(hf_out), tokens, images), _hf_logits(reference, tokens, images))
 
