@@ -17,6 +17,8 @@ Layouts, with ep devices on the expert axes, E_l = E / ep local experts, n token
 import jax
 import jax.numpy as jnp
 
+from MaxText.layers import expert_order
+
 
 def receive_buffer_rows(tokens: int, num_experts_per_tok: int, local_experts: int, ep: int) -> int:
   """Rows of the static receive buffer that keep the dispatch dropless whatever the routing.
@@ -100,8 +102,8 @@ def all_to_all_local(x, weights, experts, wi, wo, *, expert_mlp, num_experts, ep
   exchange = lambda a: jax.lax.all_to_all(a, ep_axes, 0, 0, tiled=True)  # noqa: E731  (E, ...) by device blocks
 
   flat_experts = experts.reshape(-1)  # (P,), P = b*t*k
-  order = jnp.argsort(flat_experts, stable=True)
-  pairs = x.reshape(-1, dim)[order // k]  # (P, D) sorted by global expert
+  order = expert_order.Order(flat_experts, k)
+  pairs = expert_order.sorted_pairs(x.reshape(-1, dim), order)  # (P, D) sorted by global expert
   group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)  # (E,) slice g -> device g // E_l
   send_offsets = _exclusive_cumsum(group_sizes)
   # recv[s, e]: pairs source s sends for local expert e; source_offsets[s, e]: where they start on s.
@@ -124,6 +126,6 @@ def all_to_all_local(x, weights, experts, wi, wo, *, expert_mlp, num_experts, ep
     source_offsets.reshape(-1),
     group_sizes,
   )  # (P, D) sorted by global expert
-  back = back[jnp.argsort(order)].reshape(batch, length, k, dim)  # (token, rank) order
+  back = expert_order.unsorted_pairs(back, order).reshape(batch, length, k, dim)  # (token, rank) order
   y = jnp.einsum("btkd,btk->btd", back, weights.astype(back.dtype))
   return jax.lax.psum(y, psum_axes) if psum_axes else y

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from MaxText.layers import initializers, mesh_specs, moe_dispatch
+from MaxText.layers import expert_order, initializers, mesh_specs, moe_dispatch
 from MaxText.layers.grouped_matmul import GroupedMatmul
 from MaxText.layers.linears import ACTIVATIONS
 
@@ -130,11 +130,11 @@ def _grouped_local(x, weights, experts, wi, wo, expert_mlp, psum_axes):
   k = experts.shape[-1]
   num_experts = wo.shape[0]
   flat_experts = experts.reshape(-1)  # (n*k,), n = b*t
-  order = jnp.argsort(flat_experts, stable=True)
-  grouped = x.reshape(-1, dim)[order // k]  # (n*k, D) grouped by expert
+  order = expert_order.Order(flat_experts, k)
+  grouped = expert_order.sorted_pairs(x.reshape(-1, dim), order)  # (n*k, D) grouped by expert
   group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
   out = expert_mlp(grouped, wi, wo, group_sizes)  # (n*k, D)
-  out = out[jnp.argsort(order)].reshape(batch, length, k, dim)  # back to (token, rank) order
+  out = expert_order.unsorted_pairs(out, order).reshape(batch, length, k, dim)  # back to (token, rank) order
   y = jnp.einsum("btkd,btk->btd", out, weights.astype(out.dtype))
   return jax.lax.psum(y, psum_axes) if psum_axes else y
 

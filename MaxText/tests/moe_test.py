@@ -11,7 +11,7 @@ import pytest
 from MaxText import pyconfig
 from MaxText.checkpoints import layer_stacking
 from MaxText.features import selection
-from MaxText.layers import models, moe, moe_experts
+from MaxText.layers import expert_order, models, moe, moe_experts
 from MaxText.runtime import mesh, sharding
 from MaxText.tests.helpers import BASE_YML, run_train, tiny_config
 from MaxText.training import train_step, training_setup
@@ -208,3 +208,26 @@ def test_train_py_trains_a_tiny_mixtral_and_logs_the_load_balancing_loss(one_dev
   assert len(metrics) == 5 and metrics[-1]["learning/loss"] < metrics[0]["learning/loss"]
   assert all(0 < m["learning/moe_lb_loss"] < 0.01 * E for m in metrics)
   assert "moe_lb_loss: " in result.stdout + result.stderr
+
+
+def test_sorting_pairs_by_expert_and_back_has_the_gathers_gradients_without_a_scatter():
+  """expert_order's custom VJPs (gathers by the inverse order) give the plain indexing's values and gradients, and
+  the backward pass has no scatter (the TPU compiler's scatter buffers are as large as the pairs)."""
+  rng = np.random.default_rng(0)
+  n, k, dim = 10, 3, 4
+  x = jnp.asarray(rng.normal(size=(n, dim)), jnp.float32)
+  experts = jnp.asarray(rng.integers(0, 5, n * k))
+  scale = jnp.asarray(rng.normal(size=(n * k, dim)), jnp.float32)  # a different weight for every sorted row
+
+  def plain(x):
+    order = jnp.argsort(experts, stable=True)
+    return jnp.sum(jnp.sin((x[order // k] * scale)[jnp.argsort(order)]))
+
+  def ours(x):
+    order = expert_order.Order(experts, k)
+    return jnp.sum(jnp.sin(expert_order.unsorted_pairs(expert_order.sorted_pairs(x, order) * scale, order)))
+
+  np.testing.assert_allclose(ours(x), plain(x), rtol=1e-6)
+  np.testing.assert_allclose(jax.grad(ours)(x), jax.grad(plain)(x), rtol=1e-5, atol=1e-6)
+  assert "scatter" in str(jax.make_jaxpr(jax.grad(plain))(x))
+  assert "scatter" not in str(jax.make_jaxpr(jax.grad(ours))(x))
