@@ -120,13 +120,15 @@ def resolve(values) -> "Schedule | None":
       "dcn_pipeline_parallelism=1"
     )
   for key, value, why in (
-    ("scan_layers", not values["scan_layers"], "the pipeline runs the scanned layer stack; use scan_layers=true"),
+    (
+      "scan_layers",
+      not values["scan_layers"],
+      "the stages split the stack's layer axis, which unrolled layers do not have (each stage would hold every "
+      "layer); use scan_layers=true (a checkpoint restores into either layout)",
+    ),
   ):
     if value:
       raise ConfigError(f"{key}={values[key]!s} with pipeline parallelism: {why}")
-  context = values["ici_parallelism"][list(values["mesh_axes"]).index("context")] if "context" in values["mesh_axes"] else 1
-  if context > 1:
-    raise ConfigError("context parallelism with pipeline parallelism is not supported yet; use ici_context_parallelism=1")
   stacks = common_types.layer_stacks(block, values["num_decoder_layers"], values["first_num_dense_layers"])
   stack, layers = list(stacks.items())[-1]  # the last stack is pipelined; those before it run before the pipeline
   pipelined = values["pipeline_parallel_layers"]

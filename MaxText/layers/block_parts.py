@@ -15,6 +15,7 @@ import flax.linen as nn
 from MaxText.configuration import attention_selection
 from MaxText.layers import context_parallel, grouped_matmul
 from MaxText.layers.attentions import Attention
+from MaxText.layers.dropout import Dropout
 from MaxText.layers.embeddings import LinearRopeScaling, Llama3RopeScaling
 from MaxText.layers.linears import Gemm, MlpBlock
 from MaxText.layers.moe import MoeBlock, load_balancing_loss
@@ -117,9 +118,9 @@ def experts_config(config) -> ExpertsConfig:
   return ExpertsConfig(config.capacity_factor, config.sparse_matmul, config.moe_dispatch, grouped_matmul.from_config(config))
 
 
-def dropout(config) -> nn.Dropout:
+def dropout(config) -> Dropout:
   """Residual-branch dropout, shared across the sequence axis."""
-  return nn.Dropout(config.dropout_rate, broadcast_dims=(-2,))
+  return Dropout(config.dropout_rate)
 
 
 @dataclasses.dataclass(frozen=True)

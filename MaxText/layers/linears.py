@@ -12,6 +12,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.layers import initializers, qlora, quantizations
 from MaxText.layers import lora as adapters
+from MaxText.layers.dropout import Dropout
 
 # The collection whose entries ask a dense layer's `Gemm.tap` for statistics of its operands (numerics debugging);
 # the decoder stacks it over scanned layers like the params.
@@ -150,5 +151,5 @@ class MlpBlock(nn.Module):
         branches.append(ACTIVATIONS[act](h))
     h = functools.reduce(operator.mul, branches)  # (B, T, M)
     h = nn.with_logical_constraint(h, ("activation_batch", "activation_length", "activation_mlp"))
-    h = nn.Dropout(self.dropout_rate, broadcast_dims=(-2,))(h, deterministic=deterministic)
+    h = Dropout(self.dropout_rate)(h, deterministic=deterministic)
     return checkpoint_name(dense(x.shape[-1], ("mlp", "embed"), name="wo")(h), "mlpwo")

@@ -13,6 +13,7 @@ from MaxText.layers import (
   block_parts,
   context_parallel,
   deepseek,
+  dropout,
   gemma,
   gemma2,
   gemma3,
@@ -124,7 +125,8 @@ def _stacked(block_cls, takes_layer_index: bool, scanned: bool):
     def __call__(self, x, positions, segment_ids, deterministic, layer_index):
       x = nn.with_logical_constraint(x, ("activation_batch", "activation_length", "activation_embed"))
       args = (positions, segment_ids, deterministic) + ((layer_index,) if takes_layer_index else ())
-      y = super().__call__(checkpoint_name(x, "decoder_layer_input"), *args)  # (B, T, E)
+      with dropout.layer(layer_index):  # its masks, wherever the layer runs
+        y = super().__call__(checkpoint_name(x, "decoder_layer_input"), *args)  # (B, T, E)
       return (y, None) if scanned else y
 
   Stacked.__name__ = block_cls.__name__
@@ -158,12 +160,14 @@ class Decoder(nn.Module):
       y = vision_encoder.place_soft_tokens(y, tokens, soft_tokens, cfg.image_token_id)
       segment_ids = ImageSegments(segment_ids, vision_encoder.image_blocks(tokens, cfg.image_token_id))
     y = block_parts.dropout(cfg)(y, deterministic=deterministic)
-    y = self._layers(y, positions, segment_ids, deterministic)
-    y = DECODER_BLOCKS[cfg.decoder_block].final_norm(cfg, "decoder_norm")(y)
-    head = self._output_head()
-    decoding = self.is_mutable_collection("cache") and not self.is_initializing()
-    if cfg.mtp_num_layers > 0 and not decoding:  # decoding skips the extra depths
-      self._multi_token_prediction(y, tokens, positions, segment_ids, deterministic, head)
+    layer_key = None if deterministic or cfg.dropout_rate == 0 else self.make_rng("dropout")
+    with dropout.decoder_key(layer_key):  # the layers' masks (dropout.py)
+      y = self._layers(y, positions, segment_ids, deterministic)
+      y = DECODER_BLOCKS[cfg.decoder_block].final_norm(cfg, "decoder_norm")(y)
+      head = self._output_head()
+      decoding = self.is_mutable_collection("cache") and not self.is_initializing()
+      if cfg.mtp_num_layers > 0 and not decoding:  # decoding skips the extra depths
+        self._multi_token_prediction(y, tokens, positions, segment_ids, deterministic, head)
     y = block_parts.dropout(cfg)(y, deterministic=deterministic)
     return self._logits(y, head)  # (B, T, V) float32
 
@@ -249,14 +253,13 @@ class Decoder(nn.Module):
     cfg = self.config
     gemm = dataclasses.replace(self.gemm, scope=(*self.path, stack))  # the block's params sit under decoder/<stack>
     layer = self._block_stack(stack, scanned=False)(config=cfg, gemm=gemm, parent=None)
-    rng = None if deterministic else self.make_rng("dropout")
     variables = {name: tree[stack] for name, tree in self.variables.items() if name in _INPUTS and stack in tree}
     tables = self._recipe_tables(stack)
     if tables is not None:  # made in the model's layer order; the pipelined params are in memory order
       order = jnp.asarray(schedule.memory_order())
       variables.update(jax.tree.map(lambda t: t[order], tables))
     sow = self.is_mutable_collection("intermediates")
-    y, sown = pipeline.run(schedule, layer, variables, y, positions, segment_ids, deterministic, rng, cfg, sow)
+    y, sown = pipeline.run(schedule, layer, variables, y, positions, segment_ids, deterministic, cfg, sow)
     if sown:
       self.put_variable("intermediates", stack, sown)
     return y

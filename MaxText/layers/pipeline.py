@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from MaxText.configuration.pipeline_schedule import Schedule
-from MaxText.layers import microbatch_combine
+from MaxText.layers import dropout, microbatch_combine
 
 STATE_AXES = ("activation_stage", "activation_batch", "activation_length", "activation_embed")
 MICROBATCH_AXES = (None, "activation_batch", "activation_length", "activation_embed")
@@ -120,7 +120,7 @@ def _per_use_bwd(count, rule, _, grads):
 _per_use.defvjp(_per_use_fwd, _per_use_bwd)
 
 
-def run(schedule: Schedule, layer, variables: dict, x, positions, segment_ids, deterministic: bool, rng, config, sow):
+def run(schedule: Schedule, layer, variables: dict, x, positions, segment_ids, deterministic: bool, config, sow):
   """The stack's layers on x (B, T, E): the pipelined ones, then those after them.
 
   Args:
@@ -130,7 +130,6 @@ def run(schedule: Schedule, layer, variables: dict, x, positions, segment_ids, d
     variables: the stack's model collections, each with its layers in memory order (Schedule.memory_order): the
       params stacked on config.param_scan_axis, the others (fp8 state, quantization recipes, numerics taps) on
       axis 0. A collection with a microbatch_combine rule gets a copy per microbatch.
-    rng: the dropout key (None when deterministic).
     config: the run's Config (param_scan_axis, scan_pipeline_iterations, pipeline_fsdp_ag_once).
     sow: whether the layers' sown `intermediates` are collected.
   Returns:
@@ -140,7 +139,6 @@ def run(schedule: Schedule, layer, variables: dict, x, positions, segment_ids, d
   params = variables["params"]
   pipe, after = split_stack(params, schedule, config.param_scan_axis)
   others = {name: split_stack(tree, schedule, 0) for name, tree in variables.items() if name != "params"}
-  rng = jax.random.PRNGKey(0) if rng is None else rng
   if config.pipeline_fsdp_ag_once:
     rows = x.shape[0] // schedule.microbatches
     sample = (x[:rows], positions[:rows], segment_ids[:rows], deterministic, 0)
@@ -149,40 +147,39 @@ def run(schedule: Schedule, layer, variables: dict, x, positions, segment_ids, d
   for name, (tree, _) in others.items():
     rule = microbatch_combine.rule(name)
     pipe[name] = tree if rule is None else _per_use(tree, schedule.microbatches, rule)
-  inputs = (x, positions, segment_ids, deterministic, rng)
+  inputs = (x, positions, segment_ids, deterministic)
   y, sown = _pipeline(schedule, layer, pipe, *inputs, config.scan_pipeline_iterations, sow)
   if schedule.pipelined_layers == schedule.num_layers:
     return y, None if sown is None else join_stack(sown, None, schedule)
   after = {"params": after, **{name: tree for name, (_, tree) in others.items()}}
-  rng = jax.random.fold_in(rng, schedule.iterations)  # no iteration of the pipeline has this key
   with nn.logical_axis_rules(stage_as_data(nn.get_logical_axis_rules())):
-    y, sown_after = _layers_after(schedule, layer, after, y, positions, segment_ids, deterministic, rng, sow)
+    y, sown_after = _layers_after(schedule, layer, after, y, positions, segment_ids, deterministic, sow)
   return y, None if sown is None else join_stack(sown, sown_after, schedule)
 
 
-def _apply_layers(layer, variables, x, positions, segment_ids, deterministic: bool, indices, rng, sow: bool):
+def _apply_layers(layer, variables, x, positions, segment_ids, deterministic: bool, indices, sow: bool):
   """x through the layers whose collections are stacked on axis 0 of `variables`, with their model indices:
-  (y, each layer's sown intermediates stacked on axis 0, or None)."""
+  (y, each layer's sown intermediates stacked on axis 0, or None). A layer's dropout masks come from its index
+  (dropout.layer), as in the scanned stack."""
 
   def one(h, variables_and_index):
     v, index = variables_and_index
-    rngs = {} if deterministic else {"dropout": jax.random.fold_in(rng, index)}
     if not sow:
-      return layer.apply(v, h, positions, segment_ids, deterministic, index, rngs=rngs), None
-    h, state = layer.apply(v, h, positions, segment_ids, deterministic, index, rngs=rngs, mutable=["intermediates"])
+      return layer.apply(v, h, positions, segment_ids, deterministic, index), None
+    h, state = layer.apply(v, h, positions, segment_ids, deterministic, index, mutable=["intermediates"])
     return h, state.get("intermediates", {})
 
   return jax.lax.scan(one, x, (variables, indices))
 
 
-def _layers_after(schedule: Schedule, layer, after, x, positions, segment_ids, deterministic: bool, rng, sow: bool):
+def _layers_after(schedule: Schedule, layer, after, x, positions, segment_ids, deterministic: bool, sow: bool):
   """The layers after the pipelined ones, on every stage, the batch split over stage too."""
   x = nn.with_logical_constraint(x, MICROBATCH_AXES[1:])
   indices = schedule.first_block + schedule.pipelined_layers + jnp.arange(schedule.num_layers - schedule.pipelined_layers)
-  return _apply_layers(layer, after, x, positions, segment_ids, deterministic, indices, rng, sow)
+  return _apply_layers(layer, after, x, positions, segment_ids, deterministic, indices, sow)
 
 
-def _pipeline(schedule: Schedule, layer, pipe, x, positions, segment_ids, deterministic: bool, rng, scanned, sow):
+def _pipeline(schedule: Schedule, layer, pipe, x, positions, segment_ids, deterministic: bool, scanned, sow):
   """The pipelined layers on x (B, T, E), as schedule says (see pipeline_schedule's doc for the work items): (y, the
   sown intermediates as [stages, repeats, layers_per_stage, ...], combined over microbatches, or None)."""
   stages, micro, repeats, delay = schedule.stages, schedule.microbatches, schedule.repeats, schedule.delay
@@ -196,7 +193,7 @@ def _pipeline(schedule: Schedule, layer, pipe, x, positions, segment_ids, determ
   stage_ids = jnp.arange(stages)
   per_use = {name for name in pipe if name != "params" and microbatch_combine.rule(name) is not None}
 
-  def stage(variables, h, pos, seg, repeat, item, stage_id, key, sown):
+  def stage(variables, h, pos, seg, repeat, item, stage_id, sown):
     """One stage's work item `item` (a bubble when outside [0, micro x repeats)): its layers' output, and its sown
     buffer with their statistics filed under (repeat, microbatch)."""
     valid = (item >= 0) & (item < micro * repeats)
@@ -205,7 +202,9 @@ def _pipeline(schedule: Schedule, layer, pipe, x, positions, segment_ids, determ
       name: jax.tree.map(lambda w: w[:, slot], tree) if name in per_use else tree for name, tree in variables.items()
     }
     indices = schedule.first_block + (repeat * stages + stage_id) * per_stage + jnp.arange(per_stage)
-    y, new = _apply_layers(layer, variables, h, pos, seg, deterministic, indices, key, sow)
+    rows = item % micro + micro * jnp.arange(h.shape[0])  # the microbatch's rows of the batch (_microbatches)
+    with dropout.microbatch_rows(x.shape[0], rows):
+      y, new = _apply_layers(layer, variables, h, pos, seg, deterministic, indices, sow)
     if sow:
       mb = item % micro
       sown = jax.tree.map(lambda b, n: b.at[repeat, :, mb].set(jnp.where(valid, n, b[repeat, :, mb])), sown, new)
@@ -235,8 +234,7 @@ def _pipeline(schedule: Schedule, layer, pipe, x, positions, segment_ids, determ
     items = t - delay * stage_ids
     repeat = jnp.clip(items // micro, 0, repeats - 1)
     weights = jax.tree.map(lambda w: jax.vmap(lambda w_s, r: w_s[r])(w, repeat), pipe)
-    keys = jax.random.split(jax.random.fold_in(rng, t), stages)
-    args = (weights, stage_in, positions[items % micro], segment_ids[items % micro], repeat, items, stage_ids, keys)
+    args = (weights, stage_in, positions[items % micro], segment_ids[items % micro], repeat, items, stage_ids)
     out, sown = jax.vmap(stage, spmd_axis_name="stage")(*args, sown)
     out = nn.with_logical_constraint(out, STATE_AXES)
     return ((out,) + history[:-1], buffer, sown), None

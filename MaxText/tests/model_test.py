@@ -73,6 +73,20 @@ def test_scanned_and_unrolled_layers_give_identical_logits():
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
+def test_dropout_masks_are_each_layers_own_whether_scanned_or_unrolled():
+  """A layer's masks come from its index (layers/dropout.py), not from Flax's module paths; the pipeline relies on it."""
+  tokens, positions, _ = _inputs()
+  scanned = tiny_config("scan_layers=true", "dropout_rate=0.5")
+  model, params = _init(scanned, tokens, positions)
+  unrolled_model = models.Transformer(tiny_config("scan_layers=false", "dropout_rate=0.5"))
+  rngs = {"dropout": jax.random.PRNGKey(3)}
+  a = model.apply({"params": params}, tokens, positions, deterministic=False, rngs=rngs)
+  b = unrolled_model.apply({"params": _unrolled(params, scanned)}, tokens, positions, deterministic=False, rngs=rngs)
+  np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+  other = model.apply({"params": params}, tokens, positions, deterministic=False, rngs={"dropout": jax.random.PRNGKey(4)})
+  assert np.abs(np.asarray(a) - np.asarray(other)).max() > 1e-2  # the masks act, and follow the key
+
+
 def test_unstack_then_stack_is_identity():
   config = tiny_config()
   _, params = _init(config, *_inputs()[:2])

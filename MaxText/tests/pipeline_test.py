@@ -138,6 +138,13 @@ LAYOUTS = {
     "ici_fsdp_parallelism=1",
     "attention=dot_product",
   ],
+  # Context parallelism inside the stages: ring attention over the sequence's load-balanced chunks.
+  "stage2_context2_fsdp2": [
+    "ici_pipeline_parallelism=2",
+    "ici_context_parallelism=2",
+    "ici_fsdp_parallelism=2",
+    "context_parallel_strategy=ring",
+  ],
   "stage2_delayed_unscanned_ag_once": [
     "ici_pipeline_parallelism=2",
     "ici_data_parallelism=2",
@@ -163,6 +170,9 @@ MOE = ["decoder_block=mixtral", "num_experts=4", "num_experts_per_tok=2"]
 QLORA_INT8 = [*LORA, "lora_weight_qtype=int8"]
 # DeepSeek: 2 dense layers run before the pipeline, its 4 MoE layers go round 2 stages twice (reordered in memory).
 DEEPSEEK_STACKS = [*DEEPSEEK, "base_num_decoder_layers=6", "first_num_dense_layers=2"]
+# Dropout: a layer's masks come from its index and each microbatch takes its rows of the whole batch's mask, so the
+# pipeline (microbatches, repeats reordered in memory, layers after it) draws 1 device's masks.
+DROPOUT = ["dropout_rate=0.3"]
 
 
 def _runs(tmp_path) -> list[dict]:
@@ -199,6 +209,9 @@ def _runs(tmp_path) -> list[dict]:
     run("qlora_int8_stage4_fsdp2", 8, *QLORA_INT8, *LAYOUTS["stage4_fsdp2"]),
     run("deepseek_one", 1, *DEEPSEEK_STACKS),
     run("deepseek_stage2", 8, *DEEPSEEK_STACKS, "ici_pipeline_parallelism=2", "num_layers_per_pipeline_stage=1"),
+    run("dropout_one", 1, *DROPOUT),
+    run("dropout_stage4_fsdp2", 8, *DROPOUT, *LAYOUTS["stage4_fsdp2"]),
+    run("dropout_half_pipelined", 8, *DROPOUT, *LAYOUTS["stage2_half_pipelined"]),
     run("decode_pipelined", 1, *DECODE, f"load_parameters_path={checkpoint_items}", decode=True),
     run("decode_one", 1, *DECODE, f"load_parameters_path={tmp_path / 'one' / 'checkpoints' / '2' / 'items'}", decode=True),
   ]
@@ -259,6 +272,14 @@ def test_moe_families_and_qlora_pipeline_as_on_one_device(report, name, baseline
   QLoRA's int8 codes stay frozen and its adapters train."""
   losses, expected = report["metrics"][name], report["metrics"][baseline]
   np.testing.assert_allclose([losses[s] for s in range(STEPS)], [expected[s] for s in range(STEPS)], rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dropout_stage4_fsdp2", "dropout_half_pipelined"])
+def test_dropout_draws_one_devices_masks_in_the_pipeline(report, name):
+  losses, expected, without = (report["metrics"][n] for n in (name, "dropout_one", "one"))
+  np.testing.assert_allclose([losses[s] for s in range(STEPS)], [expected[s] for s in range(STEPS)], rtol=1e-5)
+  assert abs(expected[0] - without[0]) > 1e-2  # dropout acts
 
 
 def _assert_fp8_state_equal(ours: dict, expected: dict) -> None:
