@@ -94,6 +94,15 @@ class Feature:
     adapters' B zeroed); None: it cannot."""
     del params
 
+  def counted_params(self, params):
+    """The params as the run log and the AOT report count them (QLoRA: its codes as the weights they hold)."""
+    return params
+
+  def size_note(self, params, total: int) -> str:
+    """A clause after the run log's parameter count `total` (LoRA: its adapters' trainable share); "" for none."""
+    del params, total
+    return ""
+
   # -- Each step ------------------------------------------------------------------------------------------------
 
   def prepare_batch(self, batch: dict) -> dict:
@@ -236,6 +245,17 @@ def host_batch(features, state, pull: Callable[[], dict], model, mesh):
   for feature in features:
     state, pull = feature.host_batch(state, pull, model, mesh)
   return state, pull()
+
+
+def parameter_count(features, params) -> int:
+  """The model's parameters, as the features count them (counted_params)."""
+  return sum(x.size for x in jax.tree.leaves(apply_all(features, "counted_params", params)))
+
+
+def describe_parameters(features, params) -> str:
+  """The run log's parameter count, with the features' clauses (size_note)."""
+  total = parameter_count(features, params)
+  return f"{total / 1e9:.6f} billion ({total:,})" + "".join(f.size_note(params, total) for f in features)
 
 
 def apply_all(features, hook: str, value, *args):

@@ -17,11 +17,10 @@ from MaxText.errors import UserError  # pylint: disable=wrong-import-position
 from MaxText.runtime.entry_point import run_and_exit_on_user_error  # pylint: disable=wrong-import-position
 
 
-def _log_run_start(config, state) -> None:
+def _log_run_start(config, features, state) -> None:
   import jax  # pylint: disable=import-outside-toplevel
 
-  from MaxText import max_logging  # pylint: disable=import-outside-toplevel
-  from MaxText.features import lora  # pylint: disable=import-outside-toplevel
+  from MaxText import feature_protocol, max_logging  # pylint: disable=import-outside-toplevel
   from MaxText.training import flops
 
   device = jax.devices()[0]
@@ -30,7 +29,7 @@ def _log_run_start(config, state) -> None:
     f"process {jax.process_index()} of {jax.process_count()}"
   )
   max_logging.log("Config (value  # source):\n" + config.to_yaml())
-  max_logging.log(f"Number of parameters: {lora.describe_size(state.params)}")
+  max_logging.log(f"Number of parameters: {feature_protocol.describe_parameters(features, state.params)}")
   step_flops = flops.training_tflops_per_device(config)
   max_logging.log(flops.describe(step_flops))
   if jax.default_backend() == "cpu" and step_flops.total_tflops > 1:
@@ -94,7 +93,7 @@ def train_loop(config):
     )
     if data_state is not None:
       checkpointing.restore_data_position(config, data_iterator, data_state)
-    state = starting_state.start(setup.features, state)  # e.g. DPO's reference taken at step 0
+    state = starting_state.start(setup.features, state)  # e.g. a reference model taken at step 0
     done = int(state.step)
     if done > 0:
       events.phase("restore", time.perf_counter() - started)
@@ -104,7 +103,7 @@ def train_loop(config):
         f"Run {config.run_name} is already complete: {done} of steps={config.steps} done. Raise steps to train on."
       )
       return state
-    _log_run_start(config, state)
+    _log_run_start(config, setup.features, state)
     loop_args = (setup.model, setup.features, state, setup.state_shardings, p_train_step, data_iterator, manager, events)
     return step_loop.run_steps(config, mesh, *loop_args, local_tier=local_tier)
   finally:

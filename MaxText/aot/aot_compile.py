@@ -18,7 +18,6 @@ from jax.experimental import checkify
 from MaxText import feature_protocol, max_logging
 from MaxText.aot import compiled_step_file, hlo_ops, interconnect, roofline
 from MaxText.errors import UserError
-from MaxText.features import lora
 from MaxText.input_pipeline.packing import BATCH_KEYS
 from MaxText.layers import remat
 from MaxText.runtime import aot_targets, memory_check, sharding
@@ -261,7 +260,7 @@ def compile_for_target(config) -> Outcome:
   mesh = create_device_mesh(config, devices)
   start = time.perf_counter()
   setup, lowered = _lowered(config, mesh)
-  num_params, _ = lora.model_size(setup.abstract_state.params)
+  num_params = feature_protocol.parameter_count(setup.features, setup.abstract_state.params)
   outcome = Outcome(config, target, devices, num_params, 0.0, memory_limit(target, devices))
   try:
     compiled = lowered.compile()

@@ -59,20 +59,6 @@ def join(base: dict, adapters: dict) -> dict:
   return layer_names.merge(base, adapters)
 
 
-def model_size(params) -> tuple[int, int]:
-  """(the model's parameters, its LoRA adapters'): QLoRA's codes count as the weights they hold (nf4 packs two per
-  byte) and their scales not at all."""
-  total = sum(x.size for x in jax.tree.leaves(qlora.float_layout(params, jnp.float32)))
-  return total, sum(x.size for x in jax.tree.leaves(split(params)[1]))
-
-
-def describe_size(params) -> str:
-  """The run log's count; with LoRA also the adapters' share, the part that trains (PEFT's "trainable params")."""
-  total, adapters = model_size(params)
-  line = f"{total / 1e9:.6f} billion ({total:,})"
-  return line + (f", of which {adapters:,} trainable LoRA adapters ({100 * adapters / total:.3f}%)" if adapters else "")
-
-
 def adapters_only(state):
   """The part of a train state (or of its abstract shape) that a LoRA checkpoint holds: the step, the optimizer
   state and the adapters; the frozen base comes from load_parameters_path again. A state without adapters as is."""
@@ -98,6 +84,13 @@ class Lora(feature_protocol.Feature):
 
   def bind_params(self, abstract_params) -> None:
     check_selects_layers(self.config, abstract_params)
+
+  def counted_params(self, params):
+    return qlora.float_layout(params, jnp.float32)  # QLoRA's codes as the weights they hold, their scales not at all
+
+  def size_note(self, params, total: int) -> str:
+    adapters = sum(x.size for x in jax.tree.leaves(split(params)[1]))  # PEFT's "trainable params"
+    return f", of which {adapters:,} trainable LoRA adapters ({100 * adapters / total:.3f}%)" if adapters else ""
 
   def base_params(self, params):
     def base(path, x):

@@ -258,7 +258,7 @@ def test_the_logged_size_is_the_model_and_its_adapters_whatever_the_base_is_held
   """QLoRA's codes count as the weights they hold (nf4: two a byte) and their scales not at all."""
   import jax  # pylint: disable=import-outside-toplevel
 
-  from MaxText.features import lora  # pylint: disable=import-outside-toplevel
+  from MaxText import feature_protocol  # pylint: disable=import-outside-toplevel
   from MaxText.runtime.mesh import create_device_mesh  # pylint: disable=import-outside-toplevel
   from MaxText.training import training_setup  # pylint: disable=import-outside-toplevel
 
@@ -266,9 +266,10 @@ def test_the_logged_size_is_the_model_and_its_adapters_whatever_the_base_is_held
   model = sum(x.size for x in jax.tree.leaves(training_setup.build(plain, create_device_mesh(plain)).abstract_state.params))
   _, setup = _setup("lora_module_path=decoder/layers/self_attention/query", "lora_rank=4", f"lora_weight_qtype={qtype}")
   adapters = plain.base_num_decoder_layers * (plain.base_emb_dim * 4 + 4 * plain.base_num_query_heads * plain.head_dim)
-  assert lora.model_size(setup.abstract_state.params) == (model + adapters, adapters)
+  params = setup.abstract_state.params
+  assert feature_protocol.parameter_count(setup.features, params) == model + adapters
   share = f"{adapters:,} trainable LoRA adapters ({100 * adapters / (model + adapters):.3f}%)"
-  assert lora.describe_size(setup.abstract_state.params).endswith(share)
+  assert feature_protocol.describe_parameters(setup.features, params).endswith(share)
 
 
 @pytest.mark.slow  # three train.py runs: about 16 s of the unit suite
