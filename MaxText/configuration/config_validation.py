@@ -51,11 +51,6 @@ def _check_numbers(v):
     raise ConfigError(
       f"num_experts_per_tok={v['num_experts_per_tok']} must not exceed num_experts={v['num_experts']} (top-k routing)"
     )
-  if v["moe_dispatch"] == "all_to_all" and v["capacity_factor"] > 0:
-    raise ConfigError(
-      f"moe_dispatch=all_to_all is for the dropless experts; capacity_factor={v['capacity_factor']} must be <= 0 "
-      "(or use moe_dispatch=gather)"
-    )
   if v["rope_min_timescale"] > v["rope_max_timescale"]:
     raise ConfigError(
       f"rope_min_timescale={v['rope_min_timescale']} must not exceed rope_max_timescale={v['rope_max_timescale']}"

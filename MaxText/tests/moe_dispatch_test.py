@@ -24,10 +24,9 @@ import pytest
 
 from MaxText import pyconfig
 from MaxText.aot import aot_compile
-from MaxText.errors import ConfigError
 from MaxText.layers import grouped_matmul, moe_dispatch
 from MaxText.runtime import mesh, sharding
-from MaxText.tests.helpers import BASE_YML, TEST_JAX_CACHE_DIR, run_python, tiny_args, tiny_config
+from MaxText.tests.helpers import BASE_YML, TEST_JAX_CACHE_DIR, run_python, tiny_args
 from MaxText.tests.tiny_models import DEEPSEEK
 from MaxText.training import training_setup
 
@@ -113,14 +112,6 @@ def test_receive_buffer_holds_the_worst_case():
   assert moe_dispatch.receive_buffer_rows(64, 8, 2, 4) == 4 * 64 * 2
 
 
-def test_all_to_all_with_a_capacity_is_refused_in_one_line():
-  with pytest.raises(ConfigError) as error:
-    tiny_config(*QWEN3_MOE, "moe_dispatch=all_to_all", "capacity_factor=1.0")
-  assert str(error.value) == (
-    "moe_dispatch=all_to_all is for the dropless experts; capacity_factor=1.0 must be <= 0 (or use moe_dispatch=gather)"
-  )
-
-
 @pytest.mark.slow  # a TPU compile
 def test_the_real_op_compiles_for_a_tpu_topology():
   """An AOT compile for TPU traces on this CPU host: the mesh's TPU devices get ragged-all-to-all, not the
@@ -171,6 +162,10 @@ def _child(out_dir):
         parallel = ["per_device_batch_size=1", *PARALLEL, f"moe_dispatch={mode}"]
         layouts[mode] = (8, [*parallel, "megablox=false"])
         layouts[f"{mode}_megablox"] = (8, [*parallel, "megablox=true"])
+      # A capacity (1.0 drops choices here): the dropped ones are sorted past every group and never sent.
+      layouts["one_capacity"] = (1, [*one, "megablox=false", "capacity_factor=1.0"])
+      a2a = ["per_device_batch_size=1", *PARALLEL, "moe_dispatch=all_to_all"]
+      layouts["all_to_all_capacity"] = (8, [*a2a, "megablox=false", "capacity_factor=1.0"])
     for layout, (devices, extra) in layouts.items():
       name = f"{family}_{layout}"
       common = [f"base_output_directory={out_dir}", f"run_name={name}", f"metrics_file={out_dir}/{name}.jsonl"]
@@ -226,6 +221,16 @@ def test_the_dropless_cells_train_the_same_losses_with_each_kernel(report, famil
     assert report["kernels"][name] == ("megablox" if name.endswith("_megablox") else "ragged_dot")
     for key in ("learning/loss", "learning/moe_lb_loss"):
       np.testing.assert_allclose(runs[name]["metrics"][key], runs[reference]["metrics"][key], rtol=1e-5, err_msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek"])
+def test_all_to_all_with_a_capacity_drops_the_choices_one_device_drops(report, family):
+  losses = {
+    n: report["runs"][f"{family}_{n}"]["metrics"]["learning/loss"] for n in ("all_to_all_capacity", "one_capacity", "one")
+  }
+  np.testing.assert_allclose(losses["all_to_all_capacity"], losses["one_capacity"], rtol=1e-5)
+  assert abs(losses["one_capacity"][0] - losses["one"][0]) > 1e-4  # choices were dropped
 
 
 @pytest.mark.slow

@@ -100,7 +100,7 @@ SECTIONS = {
       acts_with=_MOE,
     ),
     "moe_dispatch": Key(
-      "Dropless experts: gather (each device gathers all weights) | all_to_all (tokens go to their experts' devices).",
+      "Grouped experts: gather (each device gathers all weights) | all_to_all (tokens go to their experts' devices).",
       choices=("gather", "all_to_all"),
       acts_with=_MOE,
     ),
