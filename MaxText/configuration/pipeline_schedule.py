@@ -119,16 +119,6 @@ def resolve(values) -> "Schedule | None":
       f"decoder_block={block} cannot be pipelined: {UNSUPPORTED_BLOCKS[block]}; use ici_pipeline_parallelism=1 and "
       "dcn_pipeline_parallelism=1"
     )
-  for key, value, why in (
-    (
-      "scan_layers",
-      not values["scan_layers"],
-      "the stages split the stack's layer axis, which unrolled layers do not have (each stage would hold every "
-      "layer); use scan_layers=true (a checkpoint restores into either layout)",
-    ),
-  ):
-    if value:
-      raise ConfigError(f"{key}={values[key]!s} with pipeline parallelism: {why}")
   stacks = common_types.layer_stacks(block, values["num_decoder_layers"], values["first_num_dense_layers"])
   stack, layers = list(stacks.items())[-1]  # the last stack is pipelined; those before it run before the pipeline
   pipelined = values["pipeline_parallel_layers"]

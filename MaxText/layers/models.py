@@ -133,6 +133,18 @@ def _stacked(block_cls, takes_layer_index: bool, scanned: bool):
   return Stacked
 
 
+def _stacked_layers(variables: dict, stack: str, order, scan_axis: int) -> dict:
+  """Unrolled layers' collections ({name: {<stack>_<i>: tree}}) stacked as a scanned stack holds them, the layers
+  in `order`: params on scan_axis, the other collections on axis 0 (STACKED_COLLECTIONS)."""
+  out = {}
+  for name, tree in variables.items():
+    layers = [tree[f"{stack}_{i}"] for i in order if f"{stack}_{i}" in tree]
+    if layers:
+      axis = scan_axis if name == "params" else 0
+      out[name] = jax.tree.map(lambda *xs, a=axis: jnp.stack(xs, axis=a if xs[0].ndim > 0 else 0), *layers)
+  return out
+
+
 class Decoder(nn.Module):
   """Embeds tokens, runs num_decoder_layers layers of `config.decoder_block`, and returns float32 logits."""
 
@@ -249,19 +261,31 @@ class Decoder(nn.Module):
 
   def _pipelined(self, schedule, stack: str, y, positions, segment_ids, deterministic: bool):
     """The stack through the pipeline (pipeline.py), its model collections with it, its statistics sown as the
-    scanned stack sows them."""
+    stack sows them. Unrolled layers (scan_layers=false) are stacked for it at every step, in memory order: the
+    pipeline runs them as the scanned stack's layers (its quantization recipes by layer index, LoRA's paths read
+    layers_<i> as layers already), and their gradients flow back to each layer."""
     cfg = self.config
-    gemm = dataclasses.replace(self.gemm, scope=(*self.path, stack))  # the block's params sit under decoder/<stack>
+    order = schedule.memory_order()
+    if cfg.scan_layers:
+      variables = {name: tree[stack] for name, tree in self.variables.items() if name in _INPUTS and stack in tree}
+      quant = self.gemm.quant
+    else:
+      inputs = {name: tree for name, tree in self.variables.items() if name in _INPUTS}
+      variables = _stacked_layers(inputs, stack, order, cfg.param_scan_axis)
+      quant = self.gemm.quant and dataclasses.replace(self.gemm.quant, scanned=True)
+    # The block's params sit under decoder/<stack> (as if scanned).
+    gemm = dataclasses.replace(self.gemm, scope=(*self.path, stack), quant=quant)
     layer = self._block_stack(stack, scanned=False)(config=cfg, gemm=gemm, parent=None)
-    variables = {name: tree[stack] for name, tree in self.variables.items() if name in _INPUTS and stack in tree}
-    tables = self._recipe_tables(stack)
+    tables = quantizations.layer_tables(quant, stack, variables["params"])
     if tables is not None:  # made in the model's layer order; the pipelined params are in memory order
-      order = jnp.asarray(schedule.memory_order())
-      variables.update(jax.tree.map(lambda t: t[order], tables))
+      variables.update(jax.tree.map(lambda t: t[jnp.asarray(order)], tables))
     sow = self.is_mutable_collection("intermediates")
     y, sown = pipeline.run(schedule, layer, variables, y, positions, segment_ids, deterministic, cfg, sow)
-    if sown:
+    if sown and cfg.scan_layers:
       self.put_variable("intermediates", stack, sown)
+    elif sown:  # each unrolled layer's own, as it would sow them
+      for position, i in enumerate(order):
+        self.put_variable("intermediates", f"{stack}_{i}", jax.tree.map(lambda a, p=position: a[p], sown))
     return y
 
   def _output_head(self):

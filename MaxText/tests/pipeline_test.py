@@ -99,7 +99,6 @@ def _config(*args):
       "at least 2 x stages = 4",
     ),
     (["ici_pipeline_parallelism=2", "num_pipeline_microbatches=8"], "8 rows do not split into num_pipeline_microbatches=8"),
-    (["ici_pipeline_parallelism=2", "scan_layers=false"], "scan_layers=False with pipeline parallelism"),
   ],
 )
 def test_bad_pipeline_configs_get_one_line_before_any_compile(args, message):
@@ -173,6 +172,9 @@ DEEPSEEK_STACKS = [*DEEPSEEK, "base_num_decoder_layers=6", "first_num_dense_laye
 # Dropout: a layer's masks come from its index and each microbatch takes its rows of the whole batch's mask, so the
 # pipeline (microbatches, repeats reordered in memory, layers after it) draws 1 device's masks.
 DROPOUT = ["dropout_rate=0.3"]
+# Unrolled layers (scan_layers=false) are stacked for the pipeline at every step; LoRA's adapters train in them and
+# each layer's MoE routing statistics go back under its own name.
+UNSCANNED = ["scan_layers=false", *MOE, *LORA]
 
 
 def _runs(tmp_path) -> list[dict]:
@@ -212,6 +214,8 @@ def _runs(tmp_path) -> list[dict]:
     run("dropout_one", 1, *DROPOUT),
     run("dropout_stage4_fsdp2", 8, *DROPOUT, *LAYOUTS["stage4_fsdp2"]),
     run("dropout_half_pipelined", 8, *DROPOUT, *LAYOUTS["stage2_half_pipelined"]),
+    run("unscanned_one", 1, *UNSCANNED),
+    run("unscanned_stage4_fsdp2", 8, *UNSCANNED, *LAYOUTS["stage4_fsdp2"]),
     run("decode_pipelined", 1, *DECODE, f"load_parameters_path={checkpoint_items}", decode=True),
     run("decode_one", 1, *DECODE, f"load_parameters_path={tmp_path / 'one' / 'checkpoints' / '2' / 'items'}", decode=True),
   ]
@@ -265,11 +269,12 @@ def test_accumulation_and_layer_indices_train_as_one_device(report, name, baseli
     ("moe_half_pipelined", "moe_one"),
     ("deepseek_stage2", "deepseek_one"),
     ("qlora_int8_stage4_fsdp2", "qlora_int8_one"),
+    ("unscanned_stage4_fsdp2", "unscanned_one"),
   ],
 )
 def test_moe_families_and_qlora_pipeline_as_on_one_device(report, name, baseline):
   """The routing statistics go through the pipeline; DeepSeek's dense stack runs before it, its MoE stack in it;
-  QLoRA's int8 codes stay frozen and its adapters train."""
+  QLoRA's int8 codes stay frozen and its adapters train; unrolled layers pipeline as the scanned stack does."""
   losses, expected = report["metrics"][name], report["metrics"][baseline]
   np.testing.assert_allclose([losses[s] for s in range(STEPS)], [expected[s] for s in range(STEPS)], rtol=1e-5)
 
