@@ -21,11 +21,6 @@ import math
 from MaxText.configuration import common_types
 from MaxText.errors import ConfigError
 
-# Families whose layers cannot go through the pipeline, and why (one line each).
-UNSUPPORTED_BLOCKS = {
-  "gemma2": "its stack holds (local, global) layer pairs, not single layers",
-}
-
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
@@ -43,6 +38,8 @@ class Schedule:
     stack: the stack of blocks that is pipelined, the model's last (decoder/<stack>): DeepSeek's moe_layers.
     first_block: the blocks of the stacks before it (DeepSeek's dense layers), which run before the pipeline with
       stage as data parallelism.
+    block_layers: the model's layers in one block (2 where a block is a (local, global) pair): the pipeline keys
+      count blocks.
   """
 
   stages: int
@@ -54,6 +51,7 @@ class Schedule:
   delay: int = 1
   stack: str = "layers"
   first_block: int = 0
+  block_layers: int = 1
 
   @property
   def iterations(self) -> int:
@@ -66,6 +64,7 @@ class Schedule:
     return self.delay * (self.stages - 1) / self.iterations
 
   def line(self) -> str:
+    unit = "layers" if self.block_layers == 1 else f"blocks of {self.block_layers} layers"
     after = self.num_layers - self.pipelined_layers
     rest = f"; the last {after} layers run after it with stage as data parallelism" if after else ""
     if self.first_block:
@@ -73,7 +72,7 @@ class Schedule:
     delayed = ", activations forwarded a step late" if self.delay > 1 else ""
     return (
       f"Pipeline: {self.stages} stages, {self.microbatches} microbatches, {self.repeats} repeats, "
-      f"{self.layers_per_stage} layers per stage{delayed}; bubble {100 * self.bubble:.1f}% "
+      f"{self.layers_per_stage} {unit} per stage{delayed}; bubble {100 * self.bubble:.1f}% "
       f"({self.delay * (self.stages - 1)} of {self.iterations} iterations){rest}"
     )
 
@@ -113,13 +112,7 @@ def resolve(values) -> "Schedule | None":
   n = stages(values)
   if n == 1:
     return None
-  block = values["decoder_block"]
-  if block in UNSUPPORTED_BLOCKS:
-    raise ConfigError(
-      f"decoder_block={block} cannot be pipelined: {UNSUPPORTED_BLOCKS[block]}; use ici_pipeline_parallelism=1 and "
-      "dcn_pipeline_parallelism=1"
-    )
-  stacks = common_types.layer_stacks(block, values["num_decoder_layers"], values["first_num_dense_layers"])
+  stacks = common_types.layer_stacks(values["decoder_block"], values["num_decoder_layers"], values["first_num_dense_layers"])
   stack, layers = list(stacks.items())[-1]  # the last stack is pipelined; those before it run before the pipeline
   pipelined = values["pipeline_parallel_layers"]
   if pipelined == -1:
@@ -163,7 +156,9 @@ def resolve(values) -> "Schedule | None":
       f"num_pipeline_microbatches={micro} does not divide {per} (per_device_batch_size x devices); make the rows a "
       "multiple of the microbatches"
     )
-  return Schedule(n, micro, repeats, per_stage, pipelined, layers, delay, stack, sum(stacks.values()) - layers)
+  first = sum(stacks.values()) - layers
+  block_layers = values["num_decoder_layers"] // sum(stacks.values())
+  return Schedule(n, micro, repeats, per_stage, pipelined, layers, delay, stack, first, block_layers)
 
 
 def microbatch_shards(values, schedule: Schedule, mesh_shape: dict) -> None:

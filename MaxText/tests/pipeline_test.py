@@ -93,7 +93,6 @@ def _config(*args):
       ],
       "the 8 eval rows do not split into num_pipeline_microbatches=16",
     ),
-    (["ici_pipeline_parallelism=2", "decoder_block=gemma2"], "decoder_block=gemma2 cannot be pipelined"),
     (
       ["ici_pipeline_parallelism=2", "pipeline_delay_activation_forwarding=true", "num_pipeline_microbatches=2"],
       "at least 2 x stages = 4",
@@ -104,6 +103,12 @@ def _config(*args):
 def test_bad_pipeline_configs_get_one_line_before_any_compile(args, message):
   with pytest.raises(ConfigError, match=message):
     _config(*args)
+
+
+def test_gemma2s_pipeline_keys_count_its_layer_pairs():
+  schedule = pipeline_schedule.resolve(_config("ici_pipeline_parallelism=2", "decoder_block=gemma2").get_keys())
+  assert (schedule.num_layers, schedule.repeats, schedule.block_layers) == (4, 2, 2)  # 8 layers: 4 pairs
+  assert "1 blocks of 2 layers per stage" in schedule.line()
 
 
 def test_the_config_resolves_repeats_and_microbatches():
@@ -155,6 +160,8 @@ LAYOUTS = {
 ACCUMULATION = ["gradient_accumulation_steps=2"]
 # Gemma 3's local and global layers: each stage's layers are told their index in the model.
 GEMMA3 = ["decoder_block=gemma3", "sliding_window_size=8"]
+# Gemma 2's blocks are (local, global) layer pairs: the pipeline keys count blocks (8 layers: 2 stages x 2 blocks).
+GEMMA2 = ["decoder_block=gemma2", "sliding_window_size=8"]
 DECODE = ["max_target_length=24", "max_prefill_predict_length=8", "dataset_type=synthetic"]
 # Model collections through the pipeline: fp8's state (a copy per microbatch, combined by maximum), the MoE routing
 # statistics (sown per row, put back in row order); each with layers after the pipeline and layers reordered.
@@ -194,6 +201,8 @@ def _runs(tmp_path) -> list[dict]:
     run("one_accumulating", 1, *ACCUMULATION),
     run("gemma3_one", 1, *GEMMA3),
     run("gemma3_stage4_fsdp2", 8, *GEMMA3, *LAYOUTS["stage4_fsdp2"]),
+    run("gemma2_one", 1, *GEMMA2),
+    run("gemma2_stage2", 8, *GEMMA2, "ici_pipeline_parallelism=2"),
     run("stage2_accumulating", 8, "ici_pipeline_parallelism=2", *ACCUMULATION),
     # Saved at step 2 by a 4-stage pipeline (2 repeats: the layers reordered in memory), then resumed by one device
     # and by a 2-stage pipeline of 2 repeats of 2 layers (another order), each training step 3.
@@ -255,7 +264,8 @@ def test_each_pipeline_layout_trains_as_one_device(report, name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-  "name,baseline", [("stage2_accumulating", "one_accumulating"), ("gemma3_stage4_fsdp2", "gemma3_one")]
+  "name,baseline",
+  [("stage2_accumulating", "one_accumulating"), ("gemma3_stage4_fsdp2", "gemma3_one"), ("gemma2_stage2", "gemma2_one")],
 )
 def test_accumulation_and_layer_indices_train_as_one_device(report, name, baseline):
   losses, expected = report["metrics"][name], report["metrics"][baseline]
