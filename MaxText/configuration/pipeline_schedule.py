@@ -114,12 +114,14 @@ def resolve(values) -> "Schedule | None":
     return None
   stacks = common_types.layer_stacks(values["decoder_block"], values["num_decoder_layers"], values["first_num_dense_layers"])
   stack, layers = list(stacks.items())[-1]  # the last stack is pipelined; those before it run before the pipeline
+  block_layers = values["num_decoder_layers"] // sum(stacks.values())
+  unit = "layers" if block_layers == 1 else f"blocks of {block_layers} layers"  # what the pipeline keys count
   pipelined = values["pipeline_parallel_layers"]
   if pipelined == -1:
     pipelined = layers
   if pipelined > layers:
     whose = (
-      f"the model's {layers} layers" if len(stacks) == 1 else f"the {layers} layers of decoder/{stack}, the pipelined stack"
+      f"the model's {layers} {unit}" if len(stacks) == 1 else f"the {layers} {unit} of decoder/{stack}, the pipelined stack"
     )
     raise ConfigError(f"pipeline_parallel_layers={pipelined} is more than {whose}")
   per_stage = values["num_layers_per_pipeline_stage"]
@@ -128,13 +130,13 @@ def resolve(values) -> "Schedule | None":
     repeats = pipelined // (n * per_stage) if pipelined % (n * per_stage) == 0 else 0
   if repeats < 1 or n * per_stage * repeats != pipelined:
     raise ConfigError(
-      f"{pipelined} pipelined layers do not split into {n} stages x num_layers_per_pipeline_stage={per_stage} x "
+      f"{pipelined} pipelined {unit} do not split into {n} stages x num_layers_per_pipeline_stage={per_stage} x "
       f"num_pipeline_repeats={values['num_pipeline_repeats']}; make stages x layers per stage x repeats = "
       f"{pipelined} (pipeline_parallel_layers sets how many layers are pipelined)"
     )
   if (layers - pipelined) % n:
     raise ConfigError(
-      f"the {layers - pipelined} layers after the pipeline (pipeline_parallel_layers={pipelined} of {layers}) must "
+      f"the {layers - pipelined} {unit} after the pipeline (pipeline_parallel_layers={pipelined} of {layers}) must "
       f"divide over the {n} stages"
     )
   delay = 2 if values["pipeline_delay_activation_forwarding"] else 1
@@ -157,7 +159,6 @@ def resolve(values) -> "Schedule | None":
       "multiple of the microbatches"
     )
   first = sum(stacks.values()) - layers
-  block_layers = values["num_decoder_layers"] // sum(stacks.values())
   return Schedule(n, micro, repeats, per_stage, pipelined, layers, delay, stack, first, block_layers)
 
 

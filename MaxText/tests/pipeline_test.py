@@ -109,6 +109,8 @@ def test_gemma2s_pipeline_keys_count_its_layer_pairs():
   schedule = pipeline_schedule.resolve(_config("ici_pipeline_parallelism=2", "decoder_block=gemma2").get_keys())
   assert (schedule.num_layers, schedule.repeats, schedule.block_layers) == (4, 2, 2)  # 8 layers: 4 pairs
   assert "1 blocks of 2 layers per stage" in schedule.line()
+  with pytest.raises(ConfigError, match="3 pipelined blocks of 2 layers do not split into 2 stages"):
+    _config("ici_pipeline_parallelism=2", "decoder_block=gemma2", "base_num_decoder_layers=6")
 
 
 def test_the_config_resolves_repeats_and_microbatches():
