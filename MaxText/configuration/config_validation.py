@@ -289,11 +289,6 @@ def _check_diagnostics(v):
       f"profiler={v['profiler']} with skip_first_n_steps_for_profiler={skip} skips every one of the {steps} steps; "
       "lower it or raise steps"
     )
-  if v["max_checkify"] and v["num_experts"] > 1 and v["capacity_factor"] <= 0:
-    raise ConfigError(
-      "max_checkify=true cannot check the dropless experts (capacity_factor <= 0): JAX's checkify fails on their "
-      "shard_map once a check comes before it (jax-ml/jax#40907); set capacity_factor > 0 to check an MoE model"
-    )
   if v["use_vertex_tensorboard"]:
     if not v["vertex_tensorboard_region"]:
       raise ConfigError("use_vertex_tensorboard=true needs vertex_tensorboard_region, e.g. us-central1")

@@ -115,7 +115,13 @@ def moe(config, name: str = "MoeBlock_0") -> MoeBlock:
 
 def experts_config(config) -> ExpertsConfig:
   """How the routed experts compute: sparse_matmul x capacity_factor, the dispatch, the grouped matmul's kernel."""
-  return ExpertsConfig(config.capacity_factor, config.sparse_matmul, config.moe_dispatch, grouped_matmul.from_config(config))
+  return ExpertsConfig(
+    config.capacity_factor,
+    config.sparse_matmul,
+    config.moe_dispatch,
+    grouped_matmul.from_config(config),
+    whole_batch=config.max_checkify,
+  )
 
 
 def dropout(config) -> Dropout:

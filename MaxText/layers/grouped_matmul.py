@@ -194,6 +194,11 @@ def from_config(config) -> GroupedMatmul:
   """The grouped matmul for the run's hardware (config.hardware: the devices it compiles for, AOT targets included)."""
   if not config.megablox:
     return GroupedMatmul("ragged_dot")
+  if config.max_checkify:  # the experts then run without shard_map (moe_experts.ExpertsConfig.whole_batch)
+    _say_once(
+      "max_checkify=true: the experts' grouped matmuls run ragged_dot over the whole batch (megablox needs shard_map)"
+    )
+    return GroupedMatmul("ragged_dot")
   if config.hardware == "tpu":
     return GroupedMatmul("megablox", tile_keys(config))
   if config.hardware.startswith("gpu"):

@@ -49,12 +49,15 @@ class ExpertsConfig:
     sparse_matmul: grouped matmuls over the routed pairs (true) or dense einsums over every expert.
     dispatch: the grouped experts' dispatch, gather | all_to_all (config.moe_dispatch).
     matmul: the grouped matmul (grouped_matmul.from_config).
+    whole_batch: sort the whole batch's pairs without shard_map (max_checkify: JAX's checkify cannot carry its
+      error state into a shard_map, jax-ml/jax#40907); the same numbers, on the layout GSPMD picks.
   """
 
   capacity_factor: float = -1.0
   sparse_matmul: bool = True
   dispatch: str = "gather"
   matmul: GroupedMatmul = GroupedMatmul()
+  whole_batch: bool = False
 
 
 def expert_capacity(length: int, num_experts_per_tok: int, num_experts: int, capacity_factor: float) -> int:
@@ -139,7 +142,7 @@ def _grouped_local(x, weights, experts, wi, wo, expert_mlp, psum_axes):
   return jax.lax.psum(y, psum_axes) if psum_axes else y
 
 
-def grouped(x, weights, experts, wi, wo, activations, dispatch: str, matmul: GroupedMatmul):
+def grouped(x, weights, experts, wi, wo, activations, dispatch: str, matmul: GroupedMatmul, whole_batch: bool = False):
   """Grouped-matmul MoE over the current mesh (plain local computation outside a mesh). Shapes as _grouped_local.
 
   dispatch: "gather" (each device gathers all experts' weights) or "all_to_all" (the tokens travel to the experts'
@@ -148,7 +151,7 @@ def grouped(x, weights, experts, wi, wo, activations, dispatch: str, matmul: Gro
   mesh = jax.sharding.get_abstract_mesh()
   expert_mlp = functools.partial(_expert_mlp, activations=activations, matmul=matmul)
   local = functools.partial(_grouped_local, expert_mlp=expert_mlp)
-  if mesh.empty:
+  if mesh.empty or whole_batch:
     return local(x, weights, experts, wi, wo, psum_axes=())
   # One name at a time: resolved together, flax would drop "mlp" for sharing fsdp_transpose with the batch.
   batch_spec, length_spec, mlp_spec = (
@@ -283,7 +286,7 @@ def routed_experts(
     else:
       y = dense(x, weights, experts, wi, wo, activations)
   else:
-    y = grouped(x, weights, kept, wi, wo, activations, cfg.dispatch, cfg.matmul)
+    y = grouped(x, weights, kept, wi, wo, activations, cfg.dispatch, cfg.matmul, cfg.whole_batch)
   if use_bias:  # sum_k weight_k (out_k + wo_bias[e_k]): the bias term is the weights' combination of the biases
     combine = _combine(weights, kept, num_experts)  # (B, T, E)
     y = y + (combine.astype(y.dtype) @ bias("wo_bias", dim, "embed_no_exp")).astype(y.dtype)

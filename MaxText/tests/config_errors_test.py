@@ -47,11 +47,6 @@ CASES = [
   (["dataset_type=c5"], {}, "dataset_type=c5 is not valid; choose one of: embedded, synthetic"),
   (["enable_emergency_checkpoint=true"], {}, "enable_emergency_checkpoint=true needs local_checkpoint_directory"),
   (
-    ["max_checkify=true", "decoder_block=mixtral", "num_experts=4", "num_experts_per_tok=2"],
-    {},
-    "max_checkify=true cannot check the dropless experts (capacity_factor <= 0)",
-  ),
-  (
     ["enable_emergency_checkpoint=true", "enable_checkpointing=false"],
     {},
     "enable_emergency_checkpoint=true needs enable_checkpointing=true",

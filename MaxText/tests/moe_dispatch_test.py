@@ -166,6 +166,8 @@ def _child(out_dir):
       layouts["one_capacity"] = (1, [*one, "megablox=false", "capacity_factor=1.0"])
       a2a = ["per_device_batch_size=1", *PARALLEL, "moe_dispatch=all_to_all"]
       layouts["all_to_all_capacity"] = (8, [*a2a, "megablox=false", "capacity_factor=1.0"])
+      # max_checkify: the experts sort the whole batch without shard_map (checkify cannot enter one).
+      layouts["all_to_all_checkify"] = (8, [*a2a, "megablox=true", "max_checkify=true"])
     for layout, (devices, extra) in layouts.items():
       name = f"{family}_{layout}"
       common = [f"base_output_directory={out_dir}", f"run_name={name}", f"metrics_file={out_dir}/{name}.jsonl"]
@@ -231,6 +233,18 @@ def test_all_to_all_with_a_capacity_drops_the_choices_one_device_drops(report, f
   }
   np.testing.assert_allclose(losses["all_to_all_capacity"], losses["one_capacity"], rtol=1e-5)
   assert abs(losses["one_capacity"][0] - losses["one"][0]) > 1e-4  # choices were dropped
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek"])
+def test_max_checkify_checks_the_dropless_experts_as_one_device_trains_them(report, family):
+  runs = report["runs"]
+  np.testing.assert_allclose(
+    runs[f"{family}_all_to_all_checkify"]["metrics"]["learning/loss"],
+    runs[f"{family}_one"]["metrics"]["learning/loss"],
+    rtol=1e-5,
+  )
+  assert report["kernels"][f"{family}_all_to_all_checkify"] == "ragged_dot"  # megablox=true, but no shard_map
 
 
 @pytest.mark.slow
