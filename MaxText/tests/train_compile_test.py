@@ -202,7 +202,7 @@ def test_fractional_batch_with_sequence_parallelism_compiles():
 
 @pytest.mark.slow
 def test_search_finds_the_largest_batch_that_fits():
-  large_logits = ["base_emb_dim=256", "vocab_size=32768", "max_target_length=2048"]  # float32 logits: 256 MiB a row
+  large_logits = ["base_emb_dim=256", "vocab_size=131072", "max_target_length=2048"]  # float32 logits: 1 GiB a row
   args = tiny_args(
     *TINY_AOT, "compile_topology=v5e-1", "compile_search=per_device_batch_size", "remat_policy=none", *large_logits
   )
